@@ -1,0 +1,237 @@
+"""NormSwap configuration: layer-norm placement, norm type and position scheme as fields."""
+
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+
+
+# Which of the three norm slots around a residual sublayer F a placement fills:
+#     x -> residual_norm(alpha * x + output_norm(F(input_norm(x))))
+NORM_PLACEMENTS = {
+    "post": {"residual_norm"},
+    "pre": {"input_norm"},
+    "sandwich": {"input_norm", "output_norm"},
+    "pre_post": {"input_norm", "residual_norm"},
+    "deepnorm": {"residual_norm"},
+    "output": {"output_norm"},
+}
+NORM_TYPES = ("layernorm", "rmsnorm", "dyt")
+POSITION_EMBEDDING_TYPES = ("absolute", "sinusoidal", "rope", "alibi", "none")
+MLP_TYPES = ("standard", "glu")
+CLASSIFIER_POOLINGS = ("cls", "mean", "last")
+ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
+
+
+def mix_ln_placement(num_hidden_layers: int, post_fraction: float = 0.25) -> list[str]:
+    """Mix-LN (Li et al. 2024): post-LN in the first `post_fraction` of the layers, pre-LN in the rest."""
+    if not 0.0 <= post_fraction <= 1.0:
+        raise ValueError(f"post_fraction must be between 0 and 1, got {post_fraction!r}.")
+    num_post = int(post_fraction * num_hidden_layers)
+    return ["post"] * num_post + ["pre"] * (num_hidden_layers - num_post)
+
+
+def _require(condition: bool, field: str, value, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"NormSwapConfig.{field}={value!r} is invalid: {allowed}.")
+
+
+@strict
+class NormSwapConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`NormSwapModel`]: a Transformer encoder whose layer-norm placement, norm type and position
+    scheme are fields. The defaults give a BERT-base shaped post-LN encoder.
+
+    norm_placement (`str` or `list[str]`, defaults to `"post"`):
+        Where the norms sit around each residual sublayer F, for all layers or one value per layer (Mix-LN, see
+        [`mix_ln_placement`]). `"post"`: x = N(x + F(x)); `"pre"`: x = x + F(N(x)); `"sandwich"`:
+        x = x + N(F(N(x))); `"pre_post"`: x = N(x + F(N(x))); `"deepnorm"`: x = N(a*x + F(x)) with a = (2L)^(1/4);
+        `"output"`: x = x + N(F(x)).
+    norm_type (`str`, defaults to `"layernorm"`):
+        `"layernorm"` (with a bias when `norm_bias`), `"rmsnorm"` or `"dyt"` (Dynamic Tanh, g*tanh(a*x)+b).
+    embedding_norm / final_norm (`bool`, *optional*):
+        Norm after the embeddings / after the last layer. Default: an embedding norm when the first layer normalizes
+        the residual stream after the sum (post, pre_post, deepnorm), a final norm when the last layer leaves it
+        un-normalized (pre, sandwich, output).
+    position_embedding_type (`str`, defaults to `"absolute"`):
+        `"absolute"` (learned table), `"sinusoidal"`, `"rope"` (see `rope_parameters`), `"alibi"` or `"none"`.
+    position_offset (`int`, defaults to 0):
+        Added to the position ids of absolute and sinusoidal embeddings (RoBERTa starts after its padding index).
+    is_causal (`bool`, defaults to `False`):
+        Causal attention instead of bidirectional.
+    qk_norm (`bool`, defaults to `False`):
+        A per-head norm of `norm_type` on queries and keys.
+    mlp_type (`str`, defaults to `"standard"`):
+        `"standard"` (up, act, down) or `"glu"` (down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu).
+    classifier_pooling (`str`, defaults to `"cls"`):
+        Sequence classification pooling: `"cls"` (dense + tanh on the first token), `"mean"` or `"last"` (last
+        non-padding token).
+    """
+
+    model_type = "normswap"
+    keys_to_ignore_at_inference = []
+    default_theta = 10_000.0
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+
+    norm_placement: str | list[str] = "post"
+    norm_type: str = "layernorm"
+    norm_eps: float = 1e-12
+    norm_bias: bool = True
+    dyt_alpha_init: float = 0.5
+    embedding_norm: bool | None = None
+    final_norm: bool | None = None
+
+    position_embedding_type: str = "absolute"
+    position_offset: int = 0
+    rope_parameters: RopeParameters | dict | None = None
+
+    is_causal: bool = False
+    attention_bias: bool = True
+    attention_output_bias: bool | None = None
+    qk_norm: bool = False
+    attention_dropout: float | int = 0.0
+    hidden_dropout: float | int = 0.1
+
+    mlp_type: str = "standard"
+    mlp_bias: bool = True
+
+    classifier_pooling: str = "cls"
+    classifier_bias: bool = True
+    classifier_dropout: float | int | None = None
+
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = True
+    is_decoder: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads > 0:
+            _require(
+                self.hidden_size % self.num_attention_heads == 0,
+                "hidden_size",
+                self.hidden_size,
+                f"must be a multiple of num_attention_heads ({self.num_attention_heads}) unless head_dim is set",
+            )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_output_bias is None:
+            self.attention_output_bias = self.attention_bias
+        self._check_fields()
+        placements = self.layer_norm_placements
+        if self.embedding_norm is None:
+            self.embedding_norm = "residual_norm" in NORM_PLACEMENTS[placements[0]]
+        if self.final_norm is None:
+            self.final_norm = "residual_norm" not in NORM_PLACEMENTS[placements[-1]]
+        super().__post_init__(**kwargs)
+        self._check_rope()
+
+    @property
+    def layer_norm_placements(self) -> list[str]:
+        """The placement of every layer."""
+        if isinstance(self.norm_placement, str):
+            return [self.norm_placement] * self.num_hidden_layers
+        return list(self.norm_placement)
+
+    @property
+    def deepnorm_alpha(self) -> float:
+        """DeepNet's residual scale for an encoder of L layers: (2L)^(1/4)."""
+        return (2 * self.num_hidden_layers) ** 0.25
+
+    @property
+    def deepnorm_beta(self) -> float:
+        """DeepNet's init scale of the value, output and feed-forward projections: (8L)^(-1/4)."""
+        return (8 * self.num_hidden_layers) ** -0.25
+
+    def _check_fields(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            _require(getattr(self, field) >= 1, field, getattr(self, field), "must be a positive integer")
+        _require(self.head_dim >= 1, "head_dim", self.head_dim, "must be a positive integer")
+        _require(
+            self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads == 0,
+            "num_key_value_heads",
+            self.num_key_value_heads,
+            f"must be a positive divisor of num_attention_heads ({self.num_attention_heads})",
+        )
+        allowed = f"allowed placements are {sorted(NORM_PLACEMENTS)}"
+        if isinstance(self.norm_placement, str):
+            _require(self.norm_placement in NORM_PLACEMENTS, "norm_placement", self.norm_placement, allowed)
+        else:
+            _require(
+                len(self.norm_placement) == self.num_hidden_layers,
+                "norm_placement",
+                self.norm_placement,
+                f"a per-layer list needs one value for each of the {self.num_hidden_layers} layers",
+            )
+            for placement in self.norm_placement:
+                _require(placement in NORM_PLACEMENTS, "norm_placement", placement, allowed)
+        _require(self.norm_type in NORM_TYPES, "norm_type", self.norm_type, f"allowed types are {list(NORM_TYPES)}")
+        _require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be positive")
+        _require(self.dyt_alpha_init > 0, "dyt_alpha_init", self.dyt_alpha_init, "must be positive")
+        _require(
+            self.position_embedding_type in POSITION_EMBEDDING_TYPES,
+            "position_embedding_type",
+            self.position_embedding_type,
+            f"allowed types are {list(POSITION_EMBEDDING_TYPES)}",
+        )
+        _require(
+            self.max_position_embeddings >= 1,
+            "max_position_embeddings",
+            self.max_position_embeddings,
+            "must be a positive integer",
+        )
+        _require(self.position_offset >= 0, "position_offset", self.position_offset, "must be 0 or more")
+        if self.position_embedding_type == "absolute":
+            _require(
+                self.position_offset < self.max_position_embeddings,
+                "position_offset",
+                self.position_offset,
+                f"absolute positions must start inside the table of {self.max_position_embeddings}",
+            )
+        if self.position_embedding_type == "rope":
+            _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "rope needs an even head_dim")
+        _require(self.type_vocab_size >= 0, "type_vocab_size", self.type_vocab_size, "must be 0 (none) or more")
+        _require(self.hidden_act in ACT2FN, "hidden_act", self.hidden_act, f"allowed are {sorted(ACT2FN)}")
+        _require(self.mlp_type in MLP_TYPES, "mlp_type", self.mlp_type, f"allowed types are {list(MLP_TYPES)}")
+        _require(
+            self.classifier_pooling in CLASSIFIER_POOLINGS,
+            "classifier_pooling",
+            self.classifier_pooling,
+            f"allowed poolings are {list(CLASSIFIER_POOLINGS)}",
+        )
+        for field in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
+            value = getattr(self, field)
+            _require(value is None or 0 <= value < 1, field, value, "must be in [0, 1)")
+        _require(self.initializer_range >= 0, "initializer_range", self.initializer_range, "must be 0 or more")
+        _require(
+            self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
+            "pad_token_id",
+            self.pad_token_id,
+            f"must be None or a token id below vocab_size ({self.vocab_size})",
+        )
+        _require(not self.is_decoder, "is_decoder", self.is_decoder, "cross-attention is not supported; use is_causal")
+
+    def _check_rope(self) -> None:
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        _require(rope_type in ROPE_TYPES, "rope_parameters", self.rope_parameters, f"rope_type must be in {ROPE_TYPES}")
+        factor = self.rope_parameters.get("partial_rotary_factor", 1.0)
+        _require(math.isclose(factor, 1.0), "rope_parameters", self.rope_parameters, "partial_rotary_factor must be 1")
+
+
+NormSwapConfig.register_for_auto_class()
+
+__all__ = ["NormSwapConfig", "mix_ln_placement", "NORM_PLACEMENTS"]

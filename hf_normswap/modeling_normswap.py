@@ -1,0 +1,669 @@
+"""NormSwap: a Transformer encoder whose norm placement, norm type and position scheme come from its config."""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    CausalLMOutput,
+    MaskedLMOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_normswap import NORM_PLACEMENTS, NormSwapConfig
+
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_normswap.NormSwapConfig",
+    "AutoModel": "modeling_normswap.NormSwapModel",
+    "AutoModelForMaskedLM": "modeling_normswap.NormSwapForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_normswap.NormSwapForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_normswap.NormSwapForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_normswap.NormSwapForQuestionAnswering",
+    "AutoModelForCausalLM": "modeling_normswap.NormSwapForCausalLM",
+}
+
+
+class NormSwapRMSNorm(nn.Module):
+    """RMSNorm computed in float32, as LLaMA's."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class NormSwapDyT(nn.Module):
+    """Dynamic Tanh (Zhu et al. 2025): weight * tanh(alpha * x) + bias, with a learned scalar alpha."""
+
+    def __init__(self, hidden_size: int, alpha_init: float, bias: bool):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.full((1,), alpha_init))
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.weight * torch.tanh(self.alpha * hidden_states)
+        return hidden_states if self.bias is None else hidden_states + self.bias
+
+
+def build_norm(config: NormSwapConfig, size: int) -> nn.Module:
+    """A norm of `config.norm_type` over the last `size` features."""
+    if config.norm_type == "rmsnorm":
+        return NormSwapRMSNorm(size, eps=config.norm_eps)
+    if config.norm_type == "dyt":
+        return NormSwapDyT(size, alpha_init=config.dyt_alpha_init, bias=config.norm_bias)
+    return nn.LayerNorm(size, eps=config.norm_eps, bias=config.norm_bias)
+
+
+class ResidualNorms(nn.Module):
+    """The norms around one residual sublayer F, in the slots its placement fills:
+
+        x -> residual_norm(alpha * x + dropout(output_norm(F(input_norm(x)))))
+
+    An empty slot is the identity; alpha is 1 except for DeepNorm.
+    """
+
+    def __init__(self, config: NormSwapConfig, placement: str):
+        super().__init__()
+        slots = NORM_PLACEMENTS[placement]
+        self.input_norm = build_norm(config, config.hidden_size) if "input_norm" in slots else nn.Identity()
+        self.output_norm = build_norm(config, config.hidden_size) if "output_norm" in slots else nn.Identity()
+        self.residual_norm = build_norm(config, config.hidden_size) if "residual_norm" in slots else nn.Identity()
+        self.residual_scale = config.deepnorm_alpha if placement == "deepnorm" else 1.0
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def normalize_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.input_norm(hidden_states)
+
+    def add_residual(self, residual: torch.Tensor, sublayer_output: torch.Tensor) -> torch.Tensor:
+        branch = self.dropout(self.output_norm(sublayer_output))
+        return self.residual_norm(torch.add(branch, residual, alpha=self.residual_scale))
+
+
+def sinusoidal_position_embeddings(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
+    """Fixed sin/cos embeddings (Vaswani et al. 2017), sines in the first half of the features."""
+    inv_freq = 1.0 / (10_000 ** (torch.arange(0, dim, 2, dtype=torch.float, device=position_ids.device) / dim))
+    angles = position_ids[..., None].float() * inv_freq
+    return torch.cat((angles.sin(), angles.cos()), dim=-1)[..., :dim]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi head slopes (Press et al. 2022): a geometric sequence from 2^(-8/n), interleaved when n is no power of 2."""
+    closest_power = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2 ** (-8 * (i + 1) / closest_power) for i in range(closest_power)]
+    extra = [2 ** (-4 * (2 * i + 1) / closest_power) for i in range(num_heads - closest_power)]
+    return torch.tensor(slopes + extra)
+
+
+def alibi_attention_mask(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor, num_heads: int, is_causal: bool, dtype
+) -> torch.Tensor:
+    """The additive mask with ALiBi's bias -slope * |i - j| folded in, shaped (batch, heads, query, key)."""
+    distance = (position_ids[:, None, :, None] - position_ids[:, None, None, :]).abs()
+    slopes = alibi_slopes(num_heads).to(position_ids.device)
+    bias = (-slopes[None, :, None, None] * distance).to(dtype)
+    if attention_mask is None and is_causal:
+        length = position_ids.shape[-1]
+        attention_mask = torch.ones(length, length, dtype=torch.bool, device=bias.device).tril()
+    if attention_mask is None:
+        return bias
+    if attention_mask.dtype == torch.bool:
+        return bias.masked_fill(~attention_mask, torch.finfo(dtype).min)
+    return (bias + attention_mask).clamp(min=torch.finfo(dtype).min)
+
+
+class NormSwapEmbeddings(nn.Module):
+    """Token embeddings, plus token-type and absolute or sinusoidal position embeddings where configured."""
+
+    def __init__(self, config: NormSwapConfig):
+        super().__init__()
+        self.position_embedding_type = config.position_embedding_type
+        self.position_offset = config.position_offset
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        if config.type_vocab_size > 0:
+            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        if config.position_embedding_type == "absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.norm = build_norm(config, config.hidden_size) if config.embedding_norm else nn.Identity()
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.Tensor | None,
+        token_type_ids: torch.LongTensor | None,
+        position_ids: torch.LongTensor,
+    ) -> torch.Tensor:
+        embeddings = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        if hasattr(self, "token_type_embeddings"):
+            if token_type_ids is None:
+                token_type_ids = torch.zeros(embeddings.shape[:-1], dtype=torch.long, device=embeddings.device)
+            embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        if self.position_embedding_type == "absolute":
+            embeddings = embeddings + self.position_embeddings(position_ids + self.position_offset)
+        elif self.position_embedding_type == "sinusoidal":
+            table = sinusoidal_position_embeddings(position_ids + self.position_offset, embeddings.shape[-1])
+            embeddings = embeddings + table.to(embeddings.dtype)
+        return self.dropout(self.norm(embeddings))
+
+
+class NormSwapRotaryEmbedding(nn.Module):
+    """Rotary position embeddings from Transformers' `rope_parameters` (every rope type it supports)."""
+
+    def __init__(self, config: NormSwapConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn = ROPE_INIT_FUNCTIONS.get(self.rope_type, self.compute_default_rope_parameters)
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: NormSwapConfig, *args, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """Rotates queries and keys (batch, heads, seq, head_dim) by cos/sin (batch, seq, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, dim) -> (batch, kv_heads * n_rep, seq, dim)."""
+    if n_rep == 1:
+        return hidden_states
+    return hidden_states.repeat_interleave(n_rep, dim=1)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+):
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class NormSwapAttention(nn.Module):
+    """Multi-head attention with GQA, optional per-head q/k norms and rotary embeddings."""
+
+    def __init__(self, config: NormSwapConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = config.is_causal
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_output_bias)
+        self.q_norm = build_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = build_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if position_embeddings is not None:
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, *position_embeddings)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        return attn_output, attn_weights
+
+
+class NormSwapMLP(nn.Module):
+    """up -> activation -> down (BERT's feed-forward)."""
+
+    def __init__(self, config: NormSwapConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(hidden_states)))
+
+
+class NormSwapGatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu."""
+
+    def __init__(self, config: NormSwapConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+MLP_CLASSES = {"standard": NormSwapMLP, "glu": NormSwapGatedMLP}
+
+
+class NormSwapLayer(GradientCheckpointingLayer):
+    """Attention then feed-forward, each wrapped in the norms of this layer's placement."""
+
+    def __init__(self, config: NormSwapConfig, layer_idx: int):
+        super().__init__()
+        placement = config.layer_norm_placements[layer_idx]
+        self.self_attn = NormSwapAttention(config, layer_idx)
+        self.attention_norms = ResidualNorms(config, placement)
+        self.mlp = MLP_CLASSES[config.mlp_type](config)
+        self.mlp_norms = ResidualNorms(config, placement)
+        if placement == "deepnorm":
+            mlp_linears = [module for module in self.mlp.children() if isinstance(module, nn.Linear)]
+            for linear in (self.self_attn.v_proj, self.self_attn.o_proj, *mlp_linears):
+                linear.init_std_scale = config.deepnorm_beta
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        attn_input = self.attention_norms.normalize_input(hidden_states)
+        attn_output, _ = self.self_attn(attn_input, attention_mask, position_embeddings, **kwargs)
+        hidden_states = self.attention_norms.add_residual(hidden_states, attn_output)
+        mlp_output = self.mlp(self.mlp_norms.normalize_input(hidden_states))
+        return self.mlp_norms.add_residual(hidden_states, mlp_output)
+
+
+class NormSwapPreTrainedModel(PreTrainedModel):
+    config: NormSwapConfig
+    config_class = NormSwapConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["NormSwapEmbeddings", "NormSwapLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": NormSwapLayer, "attentions": NormSwapAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        super()._init_weights(module)
+        if isinstance(module, nn.Linear) and hasattr(module, "init_std_scale"):
+            init.normal_(module.weight, std=self.config.initializer_range * module.init_std_scale)
+        elif isinstance(module, NormSwapDyT):
+            init.constant_(module.alpha, self.config.dyt_alpha_init)
+            init.ones_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Saves as Transformers does, with an `auto_map` naming every Auto class for remote-code loading."""
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, **kwargs)
+
+
+class NormSwapModel(NormSwapPreTrainedModel):
+    def __init__(self, config: NormSwapConfig):
+        super().__init__(config)
+        self.embeddings = NormSwapEmbeddings(config)
+        self.layers = nn.ModuleList([NormSwapLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = build_norm(config, config.hidden_size) if config.final_norm else nn.Identity()
+        self.rotary_emb = NormSwapRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutput:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if position_ids is None:
+            seq_length = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+            device = (input_ids if inputs_embeds is None else inputs_embeds).device
+            position_ids = torch.arange(seq_length, device=device).unsqueeze(0)
+
+        hidden_states = self.embeddings(input_ids, inputs_embeds, token_type_ids, position_ids)
+        attention_mask = self._attention_mask(hidden_states, attention_mask, position_ids)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask, position_embeddings, **kwargs)
+        return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
+
+    def _attention_mask(self, inputs_embeds, attention_mask, position_ids):
+        """The attention-implementation-specific mask, with ALiBi's bias folded in when configured."""
+        alibi = self.config.position_embedding_type == "alibi"
+        if alibi and self.config._attn_implementation not in ("eager", "sdpa"):
+            raise ValueError(
+                "position_embedding_type='alibi' needs attn_implementation 'eager' or 'sdpa', "
+                f"got {self.config._attn_implementation!r}."
+            )
+        mask_kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
+        if self.config.is_causal:
+            mask = create_causal_mask(**mask_kwargs, past_key_values=None, position_ids=position_ids)
+        else:
+            mask = create_bidirectional_mask(**mask_kwargs)
+        if not alibi:
+            return mask
+        position_ids = position_ids.expand(inputs_embeds.shape[0], -1)
+        heads = self.config.num_attention_heads
+        return alibi_attention_mask(mask, position_ids, heads, self.config.is_causal, inputs_embeds.dtype)
+
+
+class NormSwapMaskedLMHead(nn.Module):
+    """BERT's masked-LM head: dense, activation, norm, then a decoder tied to the word embeddings."""
+
+    def __init__(self, config: NormSwapConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.norm = build_norm(config, config.hidden_size)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.norm(self.act_fn(self.dense(hidden_states))))
+
+
+class NormSwapForMaskedLM(NormSwapPreTrainedModel):
+    _tied_weights_keys = {"lm_head.decoder.weight": "model.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: NormSwapConfig):
+        super().__init__(config)
+        self.model = NormSwapModel(config)
+        self.lm_head = NormSwapMaskedLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head.decoder = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MaskedLMOutput:
+        outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class NormSwapPooler(nn.Module):
+    """Pools a sequence to one vector: `cls` (dense + tanh on the first token), `mean` or `last` (last non-padding)."""
+
+    def __init__(self, config: NormSwapConfig):
+        super().__init__()
+        self.pooling = config.classifier_pooling
+        if self.pooling == "cls":
+            self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if self.pooling == "cls":
+            return torch.tanh(self.dense(hidden_states[:, 0]))
+        if attention_mask is None:
+            attention_mask = torch.ones(hidden_states.shape[:2], device=hidden_states.device)
+        mask = attention_mask.to(hidden_states.dtype)
+        if self.pooling == "mean":
+            return (hidden_states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        last = (positions * attention_mask.to(torch.long)).argmax(-1)
+        return hidden_states[torch.arange(hidden_states.shape[0], device=last.device), last]
+
+
+class NormSwapForSequenceClassification(NormSwapPreTrainedModel):
+    def __init__(self, config: NormSwapConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = NormSwapModel(config)
+        self.pooler = NormSwapPooler(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels, bias=config.classifier_bias)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutput:
+        outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        pooled = self.pooler(outputs.last_hidden_state, attention_mask)
+        logits = self.classifier(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class NormSwapForTokenClassification(NormSwapPreTrainedModel):
+    def __init__(self, config: NormSwapConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = NormSwapModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels, bias=config.classifier_bias)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> TokenClassifierOutput:
+        outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config)
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class NormSwapForQuestionAnswering(NormSwapPreTrainedModel):
+    def __init__(self, config: NormSwapConfig):
+        super().__init__(config)
+        self.model = NormSwapModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> QuestionAnsweringModelOutput:
+        outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
+        start_logits, end_logits = start_logits.squeeze(-1).contiguous(), end_logits.squeeze(-1).contiguous()
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
+        return QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class NormSwapForCausalLM(NormSwapPreTrainedModel):
+    """A causal LM head (no bias), so LLaMA conversions can be checked on logits and swaps scored by perplexity."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: NormSwapConfig):
+        if not config.is_causal:
+            raise ValueError("NormSwapForCausalLM needs NormSwapConfig.is_causal=True, got False.")
+        super().__init__(config)
+        self.model = NormSwapModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutput:
+        outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+for _model_class, _auto_class in (
+    (NormSwapModel, "AutoModel"),
+    (NormSwapForMaskedLM, "AutoModelForMaskedLM"),
+    (NormSwapForSequenceClassification, "AutoModelForSequenceClassification"),
+    (NormSwapForTokenClassification, "AutoModelForTokenClassification"),
+    (NormSwapForQuestionAnswering, "AutoModelForQuestionAnswering"),
+    (NormSwapForCausalLM, "AutoModelForCausalLM"),
+):
+    _model_class.register_for_auto_class(_auto_class)
+
+__all__ = [
+    "NormSwapPreTrainedModel",
+    "NormSwapModel",
+    "NormSwapForMaskedLM",
+    "NormSwapForSequenceClassification",
+    "NormSwapForTokenClassification",
+    "NormSwapForQuestionAnswering",
+    "NormSwapForCausalLM",
+]
