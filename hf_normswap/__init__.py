@@ -1,5 +1,7 @@
 """hf_normswap: pretrained weights under a different layer-norm arrangement."""
 
+__version__ = "0.1.0"
+
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -11,6 +13,7 @@ from transformers import (
 )
 
 from .configuration_normswap import NormSwapConfig, mix_ln_placement
+from .convert import convert_checkpoint
 from .modeling_normswap import (
     NormSwapForCausalLM,
     NormSwapForMaskedLM,
@@ -21,8 +24,6 @@ from .modeling_normswap import (
     NormSwapPreTrainedModel,
 )
 
-
-__version__ = "0.1.0"
 
 AutoConfig.register(NormSwapConfig.model_type, NormSwapConfig)
 for _auto_class, _model_class in (
@@ -36,6 +37,7 @@ for _auto_class, _model_class in (
     _auto_class.register(NormSwapConfig, _model_class)
 
 __all__ = [
+    "convert_checkpoint",
     "NormSwapConfig",
     "mix_ln_placement",
     "NormSwapPreTrainedModel",

@@ -1,0 +1,123 @@
+"""Reading checkpoint weights tensor by tensor, and writing sharded safetensors into a folder that appears whole."""
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+
+class CheckpointError(ValueError):
+    """A problem with a checkpoint's files, said in one line."""
+
+
+def weight_files(folder: Path, allow_pickle: bool = False) -> list[Path]:
+    """The weight files of a checkpoint folder: safetensors (single or sharded), or pickles when allowed."""
+    for single, index in ((SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME), (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
+        pickled = single == WEIGHTS_NAME
+        found = (folder / index).exists() or (folder / single).exists()
+        if found and pickled and not allow_pickle:
+            raise CheckpointError(
+                f"{folder}: only pickle weights ({single}) found; they can run code when loaded, so they are refused "
+                "unless you pass --allow-pickle (they are then loaded with weights_only=True)"
+            )
+        if (folder / index).exists():
+            try:
+                weight_map = json.loads((folder / index).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as error:
+                raise CheckpointError(f"{folder / index}: not a valid weight index ({error})") from None
+            files = [folder / name for name in sorted(set(weight_map.values()))]
+            for file in files:
+                if not file.exists():
+                    raise CheckpointError(f"{file}: listed in {index} but missing")
+            return files
+        if (folder / single).exists():
+            return [folder / single]
+    raise CheckpointError(f"{folder}: no weights found (expected {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME})")
+
+
+def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each (name, tensor) of a weight file, one at a time (safetensors is memory-mapped)."""
+    if path.suffix != ".safetensors":
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:
+            raise CheckpointError(f"{path}: cannot be read as weights ({type(error).__name__}: {error})") from None
+        yield from state.items()
+        return
+    try:
+        with safe_open(path, framework="pt") as file:
+            for name in file.keys():
+                yield name, file.get_tensor(name)
+    except SafetensorError as error:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+class ShardWriter:
+    """Writes tensors into safetensors shards of at most `max_shard_bytes`, named and indexed as Transformers does."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int):
+        self.folder = folder
+        self.max_shard_bytes = max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        save_file(self.pending, self.folder / f"shard-{len(self.shards)}.tmp", metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Writes the last shard and the index; returns the written file names."""
+        if self.pending or not self.shards:
+            self._flush()
+        count = len(self.shards)
+        if count == 1:
+            os.replace(self.folder / "shard-0.tmp", self.folder / SAFE_WEIGHTS_NAME)
+            return [SAFE_WEIGHTS_NAME]
+        names, weight_map = [], {}
+        for index, tensor_names in enumerate(self.shards):
+            name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.folder / f"shard-{index}.tmp", self.folder / name)
+            names.append(name)
+            weight_map.update(dict.fromkeys(tensor_names, name))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        return [*names, SAFE_WEIGHTS_INDEX_NAME]
+
+
+@contextlib.contextmanager
+def output_folder(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
+    """A temporary folder beside `output` that becomes `output` only if the block succeeds."""
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise CheckpointError(f"{output}: exists and is not a folder")
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        raise CheckpointError(f"{output}: exists and is not empty; pass --overwrite to replace it")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(staging, output)

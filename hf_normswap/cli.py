@@ -1,0 +1,135 @@
+"""The `hf-normswap` command line: convert, export-native, compare."""
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import datasets
+from transformers.utils import logging as transformers_logging
+
+from .configuration_normswap import NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
+from .heads import HEAD_CLASSES
+from .norm_mapping import NORM_MAPPINGS
+
+
+def _placement(value: str) -> str | list[str]:
+    """One placement, or a comma-separated list with one per layer."""
+    return value.split(",") if "," in value else value
+
+
+def _add_convert(commands) -> None:
+    parser = commands.add_parser("convert", help="put a BERT- or LLaMA-family checkpoint on NormSwap")
+    parser.add_argument("source", help="local folder or Hub id")
+    parser.add_argument("output", help="folder to write")
+    parser.add_argument("--norm-placement", type=_placement, help=f"one of {', '.join(NORM_PLACEMENTS)} (or one per layer, comma-separated); default: the source's")
+    parser.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, help="default: the source's")
+    parser.add_argument("--norm-mapping", choices=NORM_MAPPINGS, default="shift")
+    parser.add_argument("--attention", choices=("bidirectional", "causal"), default="bidirectional")
+    parser.add_argument("--head", choices=("auto", *HEAD_CLASSES), default="auto")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--no-verify", action="store_true", help="skip the exactness check and the swap measurement")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
+    parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin (loaded with weights_only=True)")
+    parser.add_argument("--family", choices=("bert", "llama"), help="refuse sources of any other family")
+
+
+def _run_convert(args) -> None:
+    from .convert import convert_checkpoint
+
+    convert_checkpoint(
+        args.source,
+        args.output,
+        norm_placement=args.norm_placement,
+        position_embedding_type=args.position_embedding_type,
+        norm_mapping=args.norm_mapping,
+        attention=args.attention,
+        head=args.head,
+        dtype=args.dtype,
+        verify=not args.no_verify,
+        overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle,
+        family=args.family,
+    )
+
+
+def _add_export(commands) -> None:
+    parser = commands.add_parser("export-native", help="write a NormSwap checkpoint as native BERT / LLaMA classes")
+    parser.add_argument("source", help="NormSwap checkpoint folder or Hub id")
+    parser.add_argument("output", help="folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
+
+
+def _run_export(args) -> None:
+    from .export import export_native
+
+    export_native(args.source, args.output, overwrite=args.overwrite)
+
+
+def _add_compare(commands) -> None:
+    from .compare import Experiment
+
+    parser = commands.add_parser(
+        "compare",
+        help="fine-tune variants through the Trainer and report",
+        description="Without arguments: all-MiniLM-L6-v2 as post, pre and sandwich on the shipped SST-2 sample.",
+    )
+    parser.add_argument("--config", help="a YAML or JSON experiment file; options given here take precedence")
+    for field in dataclasses.fields(Experiment):
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        parser.add_argument(
+            f"--{field.name.replace('_', '-')}", dest=field.name, type=_option_type(field), help=f"default: {default}"
+        )
+
+
+def _option_type(field):
+    """How to read a command-line value for an `Experiment` field (lists are comma-separated)."""
+    if "list" in str(field.type):
+        return lambda text: text.split(",")
+    for kind in (int, float):
+        if field.type is kind or kind in getattr(field.type, "__args__", ()):
+            return kind
+    return str
+
+
+def _run_compare(args) -> None:
+    from .compare import Experiment, run_comparison
+
+    options = {field.name: getattr(args, field.name) for field in dataclasses.fields(Experiment)}
+    if args.config:
+        experiment = Experiment.from_file(args.config, **options)
+    else:
+        experiment = Experiment(**{name: value for name, value in options.items() if value is not None})
+    document = run_comparison(experiment)
+    if document is not None:
+        print(f"report: {Path(experiment.output) / 'report.md'}")
+
+
+COMMANDS = {
+    "convert": (_add_convert, _run_convert),
+    "export-native": (_add_export, _run_export),
+    "compare": (_add_compare, _run_compare),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-normswap", description="Swap the layer-norm arrangement of pretrained weights.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add, _ in COMMANDS.values():
+        add(commands)
+    args = parser.parse_args(argv)
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()  # the Trainer's own progress bars stay
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    try:
+        COMMANDS[args.command][1](args)
+    except (ValueError, OSError) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"hf-normswap {args.command}: error: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

