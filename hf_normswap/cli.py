@@ -1,4 +1,4 @@
-"""The `hf-normswap` command line: convert, export-native, compare."""
+"""The `hf-normswap` command line: convert, export-native, compare, push."""
 
 import argparse
 import dataclasses
@@ -72,7 +72,8 @@ def _add_compare(commands) -> None:
     parser = commands.add_parser(
         "compare",
         help="fine-tune variants through the Trainer and report",
-        description="Without arguments: all-MiniLM-L6-v2 as post, pre and sandwich on the shipped SST-2 sample.",
+        description="Without --model or --config, the embedded default experiment (hf_normswap/data/default_experiment.yaml: "
+        "all-MiniLM-L6-v2 as post, pre and sandwich on the shipped SST-2 sample) is the base that options override.",
     )
     parser.add_argument("--config", help="a YAML or JSON experiment file; options given here take precedence")
     for field in dataclasses.fields(Experiment):
@@ -93,11 +94,12 @@ def _option_type(field):
 
 
 def _run_compare(args) -> None:
-    from .compare import Experiment, run_comparison
+    from .compare import DEFAULT_EXPERIMENT, Experiment, run_comparison
 
     options = {field.name: getattr(args, field.name) for field in dataclasses.fields(Experiment)}
-    if args.config:
-        experiment = Experiment.from_file(args.config, **options)
+    base = args.config or (DEFAULT_EXPERIMENT if args.model is None else None)
+    if base:
+        experiment = Experiment.from_file(base, **options)
     else:
         experiment = Experiment(**{name: value for name, value in options.items() if value is not None})
     document = run_comparison(experiment)
@@ -105,10 +107,42 @@ def _run_compare(args) -> None:
         print(f"report: {Path(experiment.output) / 'report.md'}")
 
 
+def _add_push(commands) -> None:
+    parser = commands.add_parser("push", help="upload a NormSwap variant to the Hub with its model card")
+    parser.add_argument("folder", help="NormSwap checkpoint folder")
+    parser.add_argument("--repo-id", required=True, help="user/name on the Hub")
+    parser.add_argument("--private", action="store_true")
+    parser.add_argument("--revision", help="branch to push to (created if missing)")
+    parser.add_argument("--commit-message")
+    parser.add_argument("--dry-run", metavar="DIR", help="write the exact folder that would be uploaded, upload nothing")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --dry-run folder")
+    parser.add_argument("--base-model", help="Hub id of the source (default: from conversion.json)")
+    parser.add_argument("--license", help="default: the source's model card")
+    parser.add_argument("--datasets", type=lambda text: text.split(","), help="comma-separated dataset ids")
+
+
+def _run_push(args) -> None:
+    from .push import push
+
+    push(
+        args.folder,
+        args.repo_id,
+        private=args.private,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        dry_run=args.dry_run,
+        overwrite=args.overwrite,
+        base_model=args.base_model,
+        license=args.license,
+        datasets=args.datasets,
+    )
+
+
 COMMANDS = {
     "convert": (_add_convert, _run_convert),
     "export-native": (_add_export, _run_export),
     "compare": (_add_compare, _run_compare),
+    "push": (_add_push, _run_push),
 }
 
 

