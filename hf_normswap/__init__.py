@@ -2,18 +2,11 @@
 
 __version__ = "0.1.0"
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+from transformers import AutoConfig
 
 from .configuration_normswap import NormSwapConfig, mix_ln_placement
 from .convert import convert_checkpoint
+from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES
 from .modeling_normswap import (
     NormSwapForCausalLM,
     NormSwapForMaskedLM,
@@ -26,15 +19,8 @@ from .modeling_normswap import (
 
 
 AutoConfig.register(NormSwapConfig.model_type, NormSwapConfig)
-for _auto_class, _model_class in (
-    (AutoModel, NormSwapModel),
-    (AutoModelForMaskedLM, NormSwapForMaskedLM),
-    (AutoModelForSequenceClassification, NormSwapForSequenceClassification),
-    (AutoModelForTokenClassification, NormSwapForTokenClassification),
-    (AutoModelForQuestionAnswering, NormSwapForQuestionAnswering),
-    (AutoModelForCausalLM, NormSwapForCausalLM),
-):
-    _auto_class.register(NormSwapConfig, _model_class)
+for _head, _model_class in HEAD_CLASSES.items():
+    NATIVE_AUTO_CLASSES[_head].register(NormSwapConfig, _model_class)
 
 __all__ = [
     "convert_checkpoint",

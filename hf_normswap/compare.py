@@ -74,6 +74,8 @@ class Experiment:
             parse_variant(variant)
         if self.seeds < 1:
             raise ValueError(f"seeds={self.seeds} is invalid: at least 1")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio={self.warmup_ratio} is invalid: a fraction of the steps, in [0, 1)")
         if self.model is not None and self.model.endswith(".json") and "native" in self.variants:
             raise ValueError("variant 'native' needs a pretrained checkpoint, not a NormSwap configuration")
 

@@ -144,6 +144,7 @@ def test_experiment_file_and_random_init_config(tmp_path):
         (["--variants", "post,middle"], "unknown variant 'middle'"),
         (["--label-column", "stars"], "no column 'stars'"),
         (["--seeds", "0"], "seeds=0 is invalid"),
+        (["--warmup-ratio", "5"], "warmup_ratio=5.0 is invalid"),
     ],
 )
 def test_bad_inputs_give_one_line_errors(tmp_path, bert_source, capsys, arguments, message):
