@@ -87,7 +87,8 @@ def convert_checkpoint(
         )
     files = weight_files(folder, allow_pickle)
 
-    architecture = (source_config.architectures or [f"{type(source_config).__name__[:-6]}Model"])[0]
+    # A config without `architectures` is taken as the base model ("BertConfig" -> "BertModel").
+    architecture = (source_config.architectures or [type(source_config).__name__.removesuffix("Config") + "Model"])[0]
     source_head = head_of_architecture(architecture)
     if head == "auto":
         head = "base" if source_head == "causal-lm" and attention == "bidirectional" else source_head
@@ -135,8 +136,7 @@ def convert_checkpoint(
 
     with output_folder(output, overwrite) as staging:
         tensors = _write_weights(files, source_family, plain, target, head, norm_sources, dtype, staging, report)
-        tokenizer_note = _copy_tokenizer(folder, source_family, staging, target)
-        report["tokenizer"] = tokenizer_note
+        report["tokenizer"] = _copy_tokenizer(folder, source_family, staging, target)
         target.architectures = [HEAD_CLASSES[head].__name__]
         target.auto_map = dict(AUTO_MAP)
         target.save_pretrained(staging)

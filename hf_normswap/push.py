@@ -125,7 +125,7 @@ def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, dat
         dropped=", ".join(conversion.get("weights", {}).get("dropped", [])),
         initialized=", ".join(conversion.get("weights", {}).get("initialized", [])),
         auto_class=AUTO_CLASSES[head],
-        comparison_intro=f"Fine-tuned on {results['task']['name']} through the Trainer, {results['experiment']['seeds']} seeds; this model is `{name}`." if results else None,
+        comparison_intro=f"Fine-tuned on {results['task']['name']} through the Trainer over {results['experiment']['seeds']} seed(s); this model is `{name}`." if results else None,
         comparison_table=table,
         plots=plots,
     )

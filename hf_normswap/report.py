@@ -62,7 +62,7 @@ def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
         "",
         f"Model `{experiment['model'] or 'all-MiniLM-L6-v2 (demo)'}`, task `{task['name']}` "
         f"({task['train_size']} training / {task['validation_size']} validation examples), "
-        f"{experiment['seeds']} seeds, learning rate {experiment['learning_rate']}, batch {experiment['batch_size']}, "
+        f"{experiment['seeds']} seed(s), learning rate {experiment['learning_rate']}, batch {experiment['batch_size']}, "
         f"max length {experiment['max_length']}, {experiment['epochs']} epochs, warm-up ratio {experiment['warmup_ratio']}.",
         "",
         "Every variant of a seed sees the same data in the same order and starts from the same classification head. "
