@@ -269,3 +269,31 @@ def test_gradient_checkpointing_gives_the_same_gradients(position):
     checkpointed = gradients()
     for name, grad in plain.items():
         assert torch.allclose(grad, checkpointed[name], atol=1e-7, rtol=0), name
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flex_attention_agrees_with_eager(is_causal):
+    config = tiny_config(position_embedding_type="rope", is_causal=is_causal, num_key_value_heads=2)
+    eager = NormSwapModel._from_config(config, attn_implementation="eager").eval()
+    flex = NormSwapModel._from_config(config, attn_implementation="flex_attention").eval()
+    flex.load_state_dict(eager.state_dict())
+    input_ids, attention_mask = padded_batch()
+    with torch.no_grad():
+        a = eager(input_ids, attention_mask=attention_mask).last_hidden_state
+        b = flex(input_ids, attention_mask=attention_mask).last_hidden_state
+    assert flex.config._attn_implementation == "flex_attention"
+    real = attention_mask.bool()
+    assert (a[real] - b[real]).abs().max().item() <= 1e-5
+
+
+def test_device_map_auto_places_the_model(tmp_path):
+    model = NormSwapForMaskedLM(tiny_config()).eval()
+    model.save_pretrained(tmp_path)
+    placed = AutoModelForMaskedLM.from_pretrained(tmp_path, device_map="auto").eval()
+    input_ids, attention_mask = padded_batch()
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+        got = placed(input_ids.to(placed.device), attention_mask=attention_mask.to(placed.device)).logits.cpu()
+    assert torch.equal(expected, got)
+    module_names = {type(module).__name__ for module in placed.modules()}
+    assert set(placed._no_split_modules) <= module_names
