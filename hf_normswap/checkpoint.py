@@ -47,7 +47,10 @@ def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Each (name, tensor) of a weight file, one at a time (safetensors is memory-mapped)."""
     if path.suffix != ".safetensors":
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # legacy (non-zip) pickles cannot be memory-mapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:
             raise CheckpointError(f"{path}: cannot be read as weights ({type(error).__name__}: {error})") from None
         yield from state.items()
@@ -103,21 +106,33 @@ class ShardWriter:
         return [*names, SAFE_WEIGHTS_INDEX_NAME]
 
 
+def check_output(output: str | os.PathLike, overwrite: bool) -> Path:
+    """OUTPUT as a resolved path, if it may be written: not the working folder or above it, not a non-empty folder
+    unless `overwrite`."""
+    path = Path(output).resolve()
+    if path == Path.cwd() or path in Path.cwd().parents:
+        raise CheckpointError(f"{output}: is the working folder or contains it; choose a new folder to write")
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{output}: exists and is not a folder")
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise CheckpointError(f"{output}: exists and is not empty; pass --overwrite to replace it")
+    return path
+
+
 @contextlib.contextmanager
 def output_folder(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     """A temporary folder beside `output` that becomes `output` only if the block succeeds."""
-    output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise CheckpointError(f"{output}: exists and is not a folder")
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise CheckpointError(f"{output}: exists and is not empty; pass --overwrite to replace it")
+    output = check_output(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         yield staging
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the result is an ordinary one
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(staging, output)

@@ -6,9 +6,12 @@ import sys
 from pathlib import Path
 
 import datasets
+from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as transformers_logging
 
 from .configuration_normswap import NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
+from .convert import DTYPES
+from .families import FAMILIES
 from .heads import HEAD_CLASSES
 from .norm_mapping import NORM_MAPPINGS
 
@@ -27,11 +30,11 @@ def _add_convert(commands) -> None:
     parser.add_argument("--norm-mapping", choices=NORM_MAPPINGS, default="shift")
     parser.add_argument("--attention", choices=("bidirectional", "causal"), default="bidirectional")
     parser.add_argument("--head", choices=("auto", *HEAD_CLASSES), default="auto")
-    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--dtype", choices=DTYPES)
     parser.add_argument("--no-verify", action="store_true", help="skip the exactness check and the swap measurement")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
     parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin (loaded with weights_only=True)")
-    parser.add_argument("--family", choices=("bert", "llama"), help="refuse sources of any other family")
+    parser.add_argument("--family", choices=[family.name for family in FAMILIES], help="refuse sources of any other family")
 
 
 def _run_convert(args) -> None:
@@ -67,7 +70,7 @@ def _run_export(args) -> None:
 
 
 def _add_compare(commands) -> None:
-    from .compare import Experiment
+    from .experiment import Experiment
 
     parser = commands.add_parser(
         "compare",
@@ -94,7 +97,8 @@ def _option_type(field):
 
 
 def _run_compare(args) -> None:
-    from .compare import DEFAULT_EXPERIMENT, Experiment, run_comparison
+    from .compare import run_comparison
+    from .experiment import DEFAULT_EXPERIMENT, Experiment
 
     options = {field.name: getattr(args, field.name) for field in dataclasses.fields(Experiment)}
     base = args.config or (DEFAULT_EXPERIMENT if args.model is None else None)
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     datasets.utils.logging.set_verbosity_error()
     try:
         COMMANDS[args.command][1](args)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, StrictDataclassError) as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"hf-normswap {args.command}: error: {message}", file=sys.stderr)
         return 1

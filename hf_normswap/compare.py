@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from accelerate import PartialState
+from huggingface_hub.errors import StrictDataclassError
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
@@ -19,78 +19,14 @@ from transformers import (
     TrainingArguments,
 )
 
-from .configuration_normswap import NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES, NormSwapConfig, mix_ln_placement
+from .configuration_normswap import NormSwapConfig, mix_ln_placement
 from .convert import convert_checkpoint
 from .diagnostics import DiagnosticsCallback
+from .experiment import Experiment, parse_variant
 from .metrics import load_metric
 from .modeling_normswap import NormSwapForSequenceClassification
 from .report import write_report
 from .tasks import load_task
-
-
-PLACEMENTS = (*NORM_PLACEMENTS, "mix_ln")
-DEFAULT_EXPERIMENT = Path(__file__).parent / "data" / "default_experiment.yaml"
-
-
-@dataclasses.dataclass
-class Experiment:
-    """What to compare and how to train; every field is also a `--` option and a key of an experiment file."""
-
-    model: str | None = None  # checkpoint folder or Hub id, or a NormSwap config JSON (random init); None: MiniLM
-    variants: list[str] = dataclasses.field(default_factory=lambda: ["post", "pre", "sandwich"])
-    task: str = "sst2-sample"
-    text_columns: list[str] | None = None
-    label_column: str = "label"
-    data_dir: str | None = None
-    tokenizer: str | None = None  # default: the model's (for a config JSON: MiniLM's)
-    seeds: int = 3
-    output: str = "normswap-comparison"
-    learning_rate: float = 2e-5
-    batch_size: int = 32
-    max_length: int = 128
-    epochs: float = 3.0
-    warmup_ratio: float = 0.0
-    weight_decay: float = 0.0
-    max_steps: int = -1
-    max_train_samples: int | None = None
-    logging_steps: int = 10
-    norm_mapping: str = "shift"
-
-    @classmethod
-    def from_file(cls, path: str, **overrides) -> "Experiment":
-        """An experiment from a YAML or JSON file; `overrides` (not None) take precedence."""
-        try:
-            fields = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as error:
-            raise ValueError(f"experiment file {path}: {str(error).splitlines()[0]}") from None
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"experiment file {path}: unknown keys {unknown}; allowed: {sorted(known)}")
-        return cls(**{**fields, **{k: v for k, v in overrides.items() if v is not None}})
-
-    def validate(self) -> None:
-        for variant in self.variants:
-            parse_variant(variant)
-        if self.seeds < 1:
-            raise ValueError(f"seeds={self.seeds} is invalid: at least 1")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio={self.warmup_ratio} is invalid: a fraction of the steps, in [0, 1)")
-        if self.model is not None and self.model.endswith(".json") and "native" in self.variants:
-            raise ValueError("variant 'native' needs a pretrained checkpoint, not a NormSwap configuration")
-
-
-def parse_variant(variant: str) -> tuple[str | None, str | None]:
-    """`native`, `PLACEMENT`, `PLACEMENT:POSITION` or `:POSITION` -> (placement, position); native is (None, None)."""
-    if variant == "native":
-        return None, None
-    placement, _, position = variant.partition(":")
-    if (placement and placement not in PLACEMENTS) or (position and position not in POSITION_EMBEDDING_TYPES) or not (placement or position):
-        raise ValueError(
-            f"unknown variant {variant!r}: use 'native', a placement ({', '.join(PLACEMENTS)}), optionally "
-            f"':' and a position scheme ({', '.join(POSITION_EMBEDDING_TYPES)})"
-        )
-    return placement or None, position or None
 
 
 def default_model() -> str:
@@ -109,16 +45,19 @@ def run_comparison(experiment: Experiment) -> dict | None:
     model = experiment.model or default_model()
     output = Path(experiment.output)
     task = load_task(experiment.task, experiment.text_columns, experiment.label_column, experiment.data_dir)
-    if experiment.max_train_samples:
+    if experiment.max_train_samples is not None:
         task.data["train"] = task.data["train"].select(range(min(experiment.max_train_samples, len(task.data["train"]))))
     from_config = model.endswith(".json")
     tokenizer = AutoTokenizer.from_pretrained(experiment.tokenizer or (default_model() if from_config else model))
+    if tokenizer.pad_token is None:  # LLaMA-family tokenizers, as the converter does
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     encoded = task.data.map(
         lambda batch: tokenizer(*(batch[c] for c in task.text_columns), truncation=True, max_length=experiment.max_length),
         batched=True,
         remove_columns=[c for c in task.data["train"].column_names if c != "label"],
     )
     with state.main_process_first():
+        _claim_output(output, experiment)
         sources = {variant: _prepare_variant(model, variant, from_config, task, experiment, output) for variant in experiment.variants}
 
     runs = [(variant, seed) for seed in range(experiment.seeds) for variant in experiment.variants]
@@ -139,19 +78,35 @@ def run_comparison(experiment: Experiment) -> dict | None:
     return write_report(output, experiment, task, results)
 
 
+def _claim_output(output: Path, experiment: Experiment) -> None:
+    """Records the experiment in OUTPUT, or checks that OUTPUT holds the same one (more seeds or variants are fine)."""
+    settings = {k: v for k, v in dataclasses.asdict(experiment).items() if k not in ("seeds", "variants", "output")}
+    record = output / "experiment.json"
+    if record.exists():
+        previous = json.loads(record.read_text())
+        changed = sorted(k for k in settings if previous.get(k) != settings[k])
+        if changed:
+            raise ValueError(
+                f"{output} holds a comparison run with other settings ({', '.join(changed)}); "
+                "use another --output to compare those, or the same settings to resume"
+            )
+    output.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(settings, indent=1) + "\n")
+
+
 def _prepare_variant(model: str, variant: str, from_config: bool, task, experiment: Experiment, output: Path) -> dict:
     """Where a variant's starting weights come from: a converted folder, the native checkpoint, or a config."""
     placement, position = parse_variant(variant)
     if variant == "native":
         return {"kind": "native", "path": model}
+    try:
+        source_config = NormSwapConfig.from_json_file(model) if from_config else AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, StrictDataclassError) as error:
+        raise ValueError(f"{model}: not a readable configuration ({str(error).splitlines()[0]})") from None
     if placement == "mix_ln":
-        layers = (NormSwapConfig.from_json_file(model) if from_config else AutoConfig.from_pretrained(model)).num_hidden_layers
-        placement = mix_ln_placement(layers)
+        placement = mix_ln_placement(source_config.num_hidden_layers)
     if from_config:
-        try:
-            fields = NormSwapConfig.from_json_file(model).to_dict()
-        except (OSError, ValueError) as error:
-            raise ValueError(f"{model}: not a NormSwap configuration ({str(error).splitlines()[0]})") from None
+        fields = source_config.to_dict()
         if placement:
             fields.update(norm_placement=placement, embedding_norm=None, final_norm=None)
         if position:
@@ -178,7 +133,10 @@ def _build_model(source: dict, seed: int, num_labels: int) -> torch.nn.Module:
     if source["kind"] == "config":
         torch.manual_seed(seed)
         return NormSwapForSequenceClassification(NormSwapConfig.from_dict(source["config"]))
-    model = AutoModelForSequenceClassification.from_pretrained(source["path"], num_labels=num_labels)
+    torch.manual_seed(seed)  # whatever the checkpoint lacks (pooler, head) is initialised from the seed
+    model = AutoModelForSequenceClassification.from_pretrained(
+        source["path"], num_labels=num_labels, ignore_mismatched_sizes=True
+    )
     head = getattr(model, "classifier", None) or getattr(model, "score")
     head = getattr(head, "out_proj", head)
     generator = torch.Generator().manual_seed(seed)

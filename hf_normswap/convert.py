@@ -9,10 +9,10 @@ from huggingface_hub import ModelCard, snapshot_download
 from transformers import AutoConfig, AutoTokenizer
 
 from . import __version__
-from .checkpoint import ShardWriter, output_folder, read_tensors, weight_files
+from .checkpoint import ShardWriter, check_output, output_folder, read_tensors, weight_files
 from .configuration_normswap import NormSwapConfig
 from .families import LLAMA, family_of, normswap_config
-from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_architecture
+from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_architecture, local_name
 from .modeling_normswap import AUTO_MAP
 from .norm_mapping import map_norms, norm_slots
 from .swap_effect import swap_effect
@@ -46,7 +46,7 @@ def resolve_source(source: str, allow_pickle: bool = False) -> tuple[Path, str |
         return Path(source), None
     if Path(source).exists():
         raise ConversionError(f"{source}: a checkpoint must be a folder")
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.model"] + (["*.bin"] if allow_pickle else [])
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"] + (["*.bin"] if allow_pickle else [])
     try:
         folder = Path(snapshot_download(source, allow_patterns=patterns))
     except Exception as error:
@@ -75,6 +75,7 @@ def convert_checkpoint(
         raise ConversionError(f"attention={attention!r} is invalid: allowed are 'bidirectional', 'causal'")
     if dtype not in (None, *DTYPES):
         raise ConversionError(f"dtype={dtype!r} is invalid: allowed are {list(DTYPES)}")
+    check_output(output, overwrite)  # before a download
     folder, revision = resolve_source(source, allow_pickle)
     try:
         source_config = AutoConfig.from_pretrained(folder)
@@ -92,8 +93,10 @@ def convert_checkpoint(
     source_head = head_of_architecture(architecture)
     if head == "auto":
         head = "base" if source_head == "causal-lm" and attention == "bidirectional" else source_head
-    if head not in HEAD_CLASSES:
-        raise ConversionError(f"head={head!r} is invalid: allowed are {['auto', *HEAD_CLASSES]}")
+    if head not in source_family.heads:
+        raise ConversionError(
+            f"head={head!r} is invalid for a {source_family.name}-family source: allowed are {['auto', *source_family.heads]}"
+        )
     if head == "causal-lm" and attention != "causal":
         raise ConversionError("head='causal-lm' needs attention='causal'")
 
@@ -136,7 +139,7 @@ def convert_checkpoint(
 
     with output_folder(output, overwrite) as staging:
         tensors = _write_weights(files, source_family, plain, target, head, norm_sources, dtype, staging, report)
-        report["tokenizer"] = _copy_tokenizer(folder, source_family, staging, target)
+        report["tokenizer"] = _copy_tokenizer(folder, source_family, staging)
         target.architectures = [HEAD_CLASSES[head].__name__]
         target.auto_map = dict(AUTO_MAP)
         target.save_pretrained(staging)
@@ -160,7 +163,6 @@ def convert_checkpoint(
 
 def _write_weights(files, family, plain, target, head, norm_sources, dtype, staging, report) -> dict:
     """Streams the source tensors into the target's names and shards; returns where each plain tensor came from."""
-    local = (lambda name: name.removeprefix("model.")) if head == "base" else (lambda name: name)
     with torch.device("meta"):
         expected = HEAD_CLASSES[head](target).state_dict()
     tied = set(HEAD_CLASSES[head]._tied_weights_keys or {}) if target.tie_word_embeddings else set()
@@ -187,7 +189,7 @@ def _write_weights(files, family, plain, target, head, norm_sources, dtype, stag
                     dropped.append(f"{source_name} (a norm without a slot under the new placement)")
                     continue
                 name = f"{moved_norms[norm]}.{parameter}"
-            name = local(name)
+            name = local_name(name, head)
             if name in tied:
                 continue
             if name not in expected:
@@ -203,7 +205,7 @@ def _write_weights(files, family, plain, target, head, norm_sources, dtype, stag
             writer.add(name, tensor)
             written.add(name)
 
-    new_norms = {local(goal) for goal, source in norm_sources.items() if source is None}
+    new_norms = {local_name(goal, head) for goal, source in norm_sources.items() if source is None}
     initialized, at_load = [], []
     generator = torch.Generator().manual_seed(0)
     for name, meta in expected.items():
@@ -239,22 +241,24 @@ def _source_license(folder: Path) -> str | None:
         return None
 
 
-def _copy_tokenizer(folder: Path, family, staging: Path, target: NormSwapConfig) -> dict:
-    """Copies the tokenizer; a LLaMA-family one is saved as Transformers loads it, with a pad token if it had none."""
+def copy_tokenizer_files(folder: Path, destination: Path) -> list[str]:
+    """Copies the tokenizer files found in `folder`; returns their names."""
     present = [name for name in TOKENIZER_FILES if (folder / name).exists()]
-    if not present:
-        return {"files": [], "pad_token_added": None}
-    if family is not LLAMA:
-        for name in present:
-            shutil.copy(folder / name, staging / name)
-        return {"files": present, "pad_token_added": None}
+    for name in present:
+        shutil.copy(folder / name, destination / name)
+    return present
+
+
+def _copy_tokenizer(folder: Path, family, staging: Path) -> dict:
+    """Copies the tokenizer; a LLaMA-family one is saved as Transformers loads it, with EOS as pad if it had none."""
+    if family is not LLAMA or not any((folder / name).exists() for name in TOKENIZER_FILES):
+        return {"files": copy_tokenizer_files(folder, staging), "pad_token_added": None}
     tokenizer = AutoTokenizer.from_pretrained(folder)
     added = None
-    if tokenizer.pad_token is None:
+    if tokenizer.pad_token is None and (tokenizer.eos_token or tokenizer.unk_token):
         tokenizer.pad_token = added = tokenizer.eos_token or tokenizer.unk_token
-    if target.pad_token_id is None and tokenizer.pad_token_id < target.vocab_size:
-        target.pad_token_id = tokenizer.pad_token_id
-    return {"files": sorted(tokenizer.save_pretrained(staging)), "pad_token_added": added}
+    files = sorted(Path(name).name for name in tokenizer.save_pretrained(staging))
+    return {"files": files, "pad_token_added": added}
 
 
 def load_plain(plain: NormSwapConfig, head: str, origins: dict) -> torch.nn.Module:
@@ -262,7 +266,7 @@ def load_plain(plain: NormSwapConfig, head: str, origins: dict) -> torch.nn.Modu
     model = HEAD_CLASSES[head]._from_config(plain, dtype=torch.float32)
     by_file = {}
     for name, (file, source_name) in origins.items():
-        by_file.setdefault(file, {})[source_name] = name if head != "base" else name.removeprefix("model.")
+        by_file.setdefault(file, {})[source_name] = local_name(name, head)
     state = {}
     for file, names in by_file.items():
         for source_name, tensor in read_tensors(file):
@@ -275,17 +279,15 @@ def load_plain(plain: NormSwapConfig, head: str, origins: dict) -> torch.nn.Modu
 
 
 def random_batch(vocab_size: int, pad_token_id: int | None, seed: int = 0):
-    """Random token ids with right padding, and the attention mask."""
+    """Random token ids (never the pad id) with right padding, and the attention mask."""
     generator = torch.Generator().manual_seed(seed)
-    low = 0 if pad_token_id is None else pad_token_id + 1
-    input_ids = torch.randint(low, vocab_size, (3, 16), generator=generator)
-    if low >= vocab_size - 1:
-        input_ids = torch.randint(0, vocab_size, (3, 16), generator=generator)
+    pad = 0 if pad_token_id is None else pad_token_id
+    input_ids = torch.randint(0, vocab_size - 1, (3, 16), generator=generator)
+    input_ids = input_ids + (input_ids >= pad).long()  # skip the pad id
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, 11:] = 0
     attention_mask[2, 5:] = 0
-    input_ids = input_ids.masked_fill(attention_mask == 0, pad_token_id or 0)
-    return input_ids, attention_mask
+    return input_ids.masked_fill(attention_mask == 0, pad), attention_mask
 
 
 def _verify(folder, ours, head, report, log) -> dict:
@@ -302,17 +304,20 @@ def _verify(folder, ours, head, report, log) -> dict:
         hidden_diff = (native_hidden - ours_hidden)[real].abs().max().item()
         logits_diff = None
         if head != "base" and not report["weights"]["initialized_at_load"]:
-            native_logits = native(input_ids, attention_mask=attention_mask)[0]
-            ours_logits = ours(input_ids, attention_mask=attention_mask)[0]
-            difference = (native_logits - ours_logits).abs()
-            logits_diff = (difference[real] if difference.shape[:2] == real.shape else difference).max().item()
+            native_outputs = native(input_ids, attention_mask=attention_mask, return_dict=False)
+            ours_outputs = ours(input_ids, attention_mask=attention_mask, return_dict=False)
+            count = 2 if head == "question-answering" else 1  # start and end logits
+            differences = [(a - b).abs() for a, b in zip(native_outputs[:count], ours_outputs[:count])]
+            per_token = head != "sequence-classification"
+            logits_diff = max((d[real] if per_token else d).max().item() for d in differences)
     mode = "causal" if plain.is_causal else "bidirectional"
     log(f"verified against {type(native).__name__} ({mode}): max |difference| last hidden state {hidden_diff:.2e}"
         + (f", logits {logits_diff:.2e}" if logits_diff is not None else ""))
     if hidden_diff > HIDDEN_TOLERANCE or (logits_diff is not None and logits_diff > LOGITS_TOLERANCE):
+        logits = "not compared" if logits_diff is None else f"{logits_diff:.3e}"
         raise ConversionError(
-            f"verification failed: max |difference| {hidden_diff:.3e} (hidden, tolerance {HIDDEN_TOLERANCE}) "
-            f"and {logits_diff} (logits, tolerance {LOGITS_TOLERANCE}); nothing was written"
+            f"verification failed: max |difference| {hidden_diff:.3e} on the last hidden state (tolerance "
+            f"{HIDDEN_TOLERANCE}), {logits} on the logits (tolerance {LOGITS_TOLERANCE}); nothing was written"
         )
     return {"last_hidden_state_max_abs_diff": hidden_diff, "logits_max_abs_diff": logits_diff, "mode": mode}
 

@@ -1,15 +1,14 @@
 """Write a NormSwap checkpoint back as Transformers' own BERT or LLaMA classes, when its configuration allows."""
 
-import shutil
 from pathlib import Path
 
 from transformers import AutoConfig, BertConfig, BertModel, LlamaConfig
 
 from .checkpoint import output_folder
 from .configuration_normswap import NormSwapConfig
-from .convert import TOKENIZER_FILES, ConversionError, resolve_source
+from .convert import ConversionError, copy_tokenizer_files, resolve_source
 from .families import BERT, LLAMA, Family
-from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_architecture
+from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
 
 
 def _placements(config):
@@ -51,8 +50,6 @@ _LLAMA_NEEDS = (
     ("classifier_pooling", "last", None),
     ("classifier_bias", False, None),
 )
-_HEADS = {BERT: ("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
-          LLAMA: ("base", "causal-lm", "sequence-classification")}
 
 
 def _blockers(config: NormSwapConfig, needs) -> list[str]:
@@ -60,7 +57,8 @@ def _blockers(config: NormSwapConfig, needs) -> list[str]:
     for field, required, read in needs:
         value = read(config) if read else getattr(config, field)
         if value != required:
-            blocked.append(f"{field}={getattr(config, field)!r} (needs {required!r})")
+            needed = " or ".join(sorted(required)) if isinstance(required, set) else repr(required)
+            blocked.append(f"{field}={getattr(config, field)!r} (needs {needed})")
     return blocked
 
 
@@ -68,8 +66,8 @@ def native_config(config: NormSwapConfig, head: str) -> tuple[Family, object]:
     """The family and Transformers configuration that compute what `config` computes, or a ValueError naming why not."""
     blockers = {BERT: _blockers(config, _BERT_NEEDS), LLAMA: _blockers(config, _LLAMA_NEEDS)}
     for family in (BERT, LLAMA):
-        if not blockers[family] and head not in _HEADS[family]:
-            blockers[family] = [f"head {head!r} (the {family.name} export has {', '.join(_HEADS[family])})"]
+        if not blockers[family] and head not in family.heads:
+            blockers[family] = [f"head {head!r} (the {family.name} export has {', '.join(family.heads)})"]
     family = min((BERT, LLAMA), key=lambda f: len(blockers[f]))
     if blockers[family]:
         raise ConversionError(
@@ -128,7 +126,7 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
         raise ConversionError(f"{folder}: {error}".splitlines()[0]) from None
     if not isinstance(config, NormSwapConfig):
         raise ConversionError(f"{folder}: not a NormSwap checkpoint (model_type {config.model_type!r})")
-    head = head_of_architecture((config.architectures or ["NormSwapModel"])[0])
+    head = head_of_config(config)
     family, target_config = native_config(config, head)
 
     model = HEAD_CLASSES[head].from_pretrained(folder)
@@ -140,8 +138,8 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     for name in native.state_dict():
         ours_name = family.rename(name)
         if ours_name is not None:
-            state[name] = ours[ours_name if head != "base" else ours_name.removeprefix("model.")]
-    missing, unexpected = native.load_state_dict(state, strict=False)
+            state[name] = ours[local_name(ours_name, head)]
+    missing = native.load_state_dict(state, strict=False).missing_keys
     tied = set(type(native)._tied_weights_keys or {})
     if set(missing) - tied:
         raise ConversionError(f"{folder}: no NormSwap tensor for {sorted(set(missing) - tied)}")
@@ -149,9 +147,7 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
 
     with output_folder(output, overwrite) as staging:
         native.save_pretrained(staging)
-        for name in TOKENIZER_FILES:
-            if (Path(folder) / name).exists():
-                shutil.copy(Path(folder) / name, staging / name)
+        copy_tokenizer_files(Path(folder), staging)
     log(f"wrote {type(native).__name__} to {output}")
     return {"family": family.name, "architecture": type(native).__name__}
 

@@ -14,6 +14,7 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]
+    heads: tuple[str, ...]  # the NormSwap heads whose weights this family's checkpoints can carry
     base_prefixes: tuple[str, ...]
     renames: tuple[tuple[str, str], ...]
     dropped: tuple[str, ...]
@@ -38,6 +39,7 @@ _BERT_LAYER = r"^encoder\.layer\.(\d+)\."
 BERT = Family(
     name="bert",
     model_types=("bert", "roberta", "xlm-roberta"),
+    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
     base_prefixes=("bert.", "roberta."),
     renames=(
         (r"^embeddings\.LayerNorm\.", "model.embeddings.norm."),
@@ -76,6 +78,7 @@ _LLAMA_LAYER = r"^layers\.(\d+)\."
 LLAMA = Family(
     name="llama",
     model_types=("llama", "mistral", "qwen2", "qwen3"),
+    heads=("base", "causal-lm", "sequence-classification"),
     base_prefixes=("model.",),
     renames=(
         (r"^embed_tokens\.", "model.embeddings.word_embeddings."),

@@ -46,6 +46,16 @@ _ARCHITECTURE_SUFFIXES = {
 }
 
 
+def local_name(name: str, head: str) -> str:
+    """A tensor name as a `NormSwapFor...` model has it, as the model of `head` has it (the base has no `model.`)."""
+    return name.removeprefix("model.") if head == "base" else name
+
+
+def head_of_config(config) -> str:
+    """The head of a saved model, from its config's `architectures` (the base model when there are none)."""
+    return head_of_architecture((config.architectures or ["NormSwapModel"])[0])
+
+
 def head_of_architecture(architecture: str) -> str:
     """The head name of a Transformers architecture such as `BertForMaskedLM`."""
     for suffix, head in _ARCHITECTURE_SUFFIXES.items():

@@ -26,7 +26,7 @@ def _mean_curve(runs: list[dict], key: str) -> tuple[list[float], np.ndarray]:
 def write_plots(output: Path, results: list[dict]) -> list[str]:
     """Writes the PNG figures into `output`; returns their file names."""
     grouped = _by_variant(results)
-    metric = next(name for name in results[0]["metrics"] if name not in ("loss", "runtime", "samples_per_second", "steps_per_second", "epoch"))
+    metric = next(name for name in results[0]["metrics"] if name not in ("loss", "runtime", "samples_per_second", "steps_per_second"))
     figures = {}
 
     figure, axis = plt.subplots(figsize=(6, 4))

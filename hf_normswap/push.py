@@ -9,30 +9,24 @@ from pathlib import Path
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoConfig
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
 from .checkpoint import output_folder, weight_files
 from .configuration_normswap import NormSwapConfig
 from .convert import TOKENIZER_FILES
-from .heads import head_of_architecture
+from .heads import NATIVE_AUTO_CLASSES, head_of_config
 
 
 CODE_FILES = ("configuration_normswap.py", "modeling_normswap.py")
-PIPELINE_TAGS = {
+PIPELINE_TAGS = {  # NormSwapForCausalLM scores text but does not generate: no pipeline claims it
     "base": "feature-extraction",
     "masked-lm": "fill-mask",
     "sequence-classification": "text-classification",
     "token-classification": "token-classification",
     "question-answering": "question-answering",
-    "causal-lm": "text-generation",
+    "causal-lm": None,
 }
-AUTO_CLASSES = {
-    "base": "AutoModel",
-    "masked-lm": "AutoModelForMaskedLM",
-    "sequence-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "causal-lm": "AutoModelForCausalLM",
-}
+GLUE_TASKS = ("sst2", "rte")
 TEMPLATE = "normswap_variant.md"
 
 
@@ -44,7 +38,8 @@ def template_path() -> Path:
 def _card_data(folder: Path, repo_id: str, config, head: str, base_model: str | None, license: str | None, datasets):
     conversion = json.loads((folder / "conversion.json").read_text()) if (folder / "conversion.json").exists() else {}
     source = conversion.get("source", {})
-    base_model = base_model or (source.get("id") if source.get("id") and not Path(source["id"]).exists() else None)
+    from_hub = source.get("revision") is not None  # a local source has no revision
+    base_model = base_model or (source.get("id") if from_hub else None)
     if not base_model:
         raise ValueError(
             f"model card field 'base_model' is missing: {folder}/conversion.json names no Hub id; pass --base-model"
@@ -77,23 +72,22 @@ def _comparison(folder: Path, variant: str | None) -> tuple[dict | None, str | N
 def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, datasets=None, variant=None) -> tuple[ModelCard, list[str]]:
     """The model card of the NormSwap checkpoint in `folder`, and the comparison plots it shows."""
     config = AutoConfig.from_pretrained(folder)
-    head = head_of_architecture((config.architectures or ["NormSwapModel"])[0])
+    head = head_of_config(config)
     conversion, data = _card_data(folder, repo_id, config, head, base_model, license, datasets)
     results, name = _comparison(folder, variant)
     swap = conversion.get("swap", {})
     measured = conversion.get("measured") or {}
     effect = conversion.get("swap_effect")
     table, plots = None, []
-    if results:
-        task = results["task"]
-        if not data.datasets and task["metric"] in ("sst2", "rte"):
-            data.datasets = ["nyu-mll/glue"]
+    if results and results["task"]["name"] in GLUE_TASKS:  # a model-index only for the real GLUE validation sets
+        task = results["task"]["name"]
+        data.datasets = data.datasets or ["nyu-mll/glue"]
         data.eval_results = [
             EvalResult(
                 task_type="text-classification",
-                dataset_type="nyu-mll/glue" if task["metric"] in ("sst2", "rte") else task["name"],
-                dataset_name=task["name"],
-                dataset_config=task["metric"] if task["metric"] in ("sst2", "rte") else None,
+                dataset_type="nyu-mll/glue",
+                dataset_name=f"GLUE {task.upper()}",
+                dataset_config=task,
                 dataset_split="validation",
                 metric_type=metric,
                 metric_value=round(summary["mean"], 4),
@@ -101,6 +95,7 @@ def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, dat
             for metric, summary in results["summary"][name]["metrics"].items()
             if metric != "loss"
         ]
+    if results:
         table = "\n".join(_comparison_rows(results))
         plots = [p for p in ("loss.png", "eval_metric.png", "grad_norm_init.png", "residual_rms.png") if (folder.parent.parent / p).exists()]
     placement = config.norm_placement if isinstance(config.norm_placement, str) else ", ".join(config.norm_placement)
@@ -124,8 +119,12 @@ def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, dat
         swap_effect=f"{effect['metric'].replace('_', ' ')} {effect['before']:.4f} before, {effect['after']:.4f} after" if effect else None,
         dropped=", ".join(conversion.get("weights", {}).get("dropped", [])),
         initialized=", ".join(conversion.get("weights", {}).get("initialized", [])),
-        auto_class=AUTO_CLASSES[head],
-        comparison_intro=f"Fine-tuned on {results['task']['name']} through the Trainer over {results['experiment']['seeds']} seed(s); this model is `{name}`." if results else None,
+        auto_class=NATIVE_AUTO_CLASSES[head].__name__,
+        comparison_intro=(
+            f"This variant (`{name}`) and its siblings fine-tuned on {results['task']['name']} through the Trainer over "
+            f"{results['experiment']['seeds']} seed(s), validation metrics: the uploaded weights are the starting point "
+            "(before fine-tuning), and the scores say how well it fine-tunes."
+        ) if results else None,
         comparison_table=table,
         plots=plots,
     )
@@ -157,14 +156,13 @@ def prepare_upload(folder: str | Path, repo_id: str, destination: Path, **card_o
     if config.get("model_type") != NormSwapConfig.model_type:
         raise ValueError(f"{folder}: not a NormSwap checkpoint (model_type {config.get('model_type')!r})")
     missing = [name for name in CODE_FILES if not (folder / name).exists()]
-    if missing or set(config.get("auto_map", {})) != {"AutoConfig", *AUTO_CLASSES.values()}:
+    if missing or set(config.get("auto_map", {})) != {"AutoConfig", *(a.__name__ for a in NATIVE_AUTO_CLASSES.values())}:
         raise ValueError(f"{folder}: the remote code is incomplete (missing {missing or 'auto_map entries'}); save it with save_pretrained")
     card, plots = build_card(folder, repo_id, **card_options)
     files = [path.name for path in weight_files(folder)]
-    if len(files) > 1:
-        files.append("model.safetensors.index.json")
     files += ["config.json", *CODE_FILES]
-    files += [name for name in (*TOKENIZER_FILES, "conversion.json", "generation_config.json") if (folder / name).exists()]
+    extras = (*TOKENIZER_FILES, SAFE_WEIGHTS_INDEX_NAME, "conversion.json", "generation_config.json")
+    files += [name for name in extras if (folder / name).exists()]
     for name in files:
         shutil.copy(folder / name, destination / name)
     for plot in plots:

@@ -25,7 +25,7 @@ def summarize(values: list[float]) -> dict:
 def write_report(output: Path, experiment, task, results: list[dict]) -> dict:
     """Writes report.md, results.json and the plots into `output`; returns what results.json holds."""
     variants = list(dict.fromkeys(result["variant"] for result in results))
-    metric_names = [name for name in results[0]["metrics"] if name not in ("loss", "runtime", "samples_per_second", "steps_per_second", "epoch")]
+    metric_names = [name for name in results[0]["metrics"] if name not in ("loss", "runtime", "samples_per_second", "steps_per_second")]
     summary = {}
     for variant in variants:
         runs = [r for r in results if r["variant"] == variant]
@@ -63,7 +63,9 @@ def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
         f"Model `{experiment['model'] or 'all-MiniLM-L6-v2 (demo)'}`, task `{task['name']}` "
         f"({task['train_size']} training / {task['validation_size']} validation examples), "
         f"{experiment['seeds']} seed(s), learning rate {experiment['learning_rate']}, batch {experiment['batch_size']}, "
-        f"max length {experiment['max_length']}, {experiment['epochs']} epochs, warm-up ratio {experiment['warmup_ratio']}.",
+        f"max length {experiment['max_length']}, "
+        + (f"{experiment['max_steps']} steps" if experiment["max_steps"] > 0 else f"{experiment['epochs']} epochs")
+        + f", warm-up ratio {experiment['warmup_ratio']}.",
         "",
         "Every variant of a seed sees the same data in the same order and starts from the same classification head. "
         "Cells: mean ± standard deviation over seeds [95% confidence interval, Student t]. A run has failed when its "

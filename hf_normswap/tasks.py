@@ -4,7 +4,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from datasets import DatasetDict, load_dataset
+from datasets import ClassLabel, DatasetDict, load_dataset
 
 
 SAMPLE_DIR = Path(__file__).parent / "data"
@@ -31,22 +31,22 @@ def load_task(
     text_columns: tuple[str, ...] | None = None,
     label_column: str = "label",
     data_dir: str | None = None,
-    sample: bool = False,
 ) -> Task:
     """Loads `task`: a GLUE name (`sst2`, `rte`), `sst2-sample` (704 SST-2 training and 436 validation
     sentences, shipped with the package), or a path to a CSV / JSON-lines file or a folder of them.
 
-    GLUE tasks come from the datasets hub when online; offline (or with `sample`) from `data_dir`
-    (default: the `HF_NORMSWAP_GLUE_DIR` environment variable, or the SST-2 sample shipped with the package).
+    GLUE tasks come from `data_dir` (default: the `HF_NORMSWAP_GLUE_DIR` environment variable) when given, else from
+    the datasets hub.
     """
     if task == "sst2-sample":
-        task, sample, data_dir = "sst2", True, str(SAMPLE_DIR)
-    if task in GLUE_TASKS:
-        data, metric = _glue(task, data_dir, sample), task
+        data, metric = _local(SAMPLE_DIR / "sst2"), "sst2"
+        text_columns, label_column = GLUE_TASKS["sst2"][:1], "label"
+    elif task in GLUE_TASKS:
+        data, metric = _glue(task, data_dir), task
         text_columns, label_column = tuple(c for c in GLUE_TASKS[task] if c), "label"
     elif Path(task).exists():
         if not text_columns:
-            raise ValueError(f"task file {task}: say which column holds the text (--text-column)")
+            raise ValueError(f"task file {task}: say which column(s) hold the text (--text-columns)")
         data, metric = _local(Path(task)), "accuracy"
     else:
         raise ValueError(
@@ -60,23 +60,28 @@ def load_task(
                 raise ValueError(f"task {task!r}: no column {column!r} in {split}; columns: {data[split].column_names}")
     if label_column != "label":
         data = data.rename_column(label_column, "label")
-    if data["train"].features["label"].dtype == "string":
-        data = data.class_encode_column("label")
+    if data["train"].features["label"].dtype == "string":  # one id per name, the same in both splits
+        names = sorted(set(data["train"]["label"]) | set(data["validation"]["label"]))
+        data = data.cast_column("label", ClassLabel(names=names))
     num_labels = len(set(data["train"]["label"]) | set(data["validation"]["label"]))
+    data = data.remove_columns([c for c in data["train"].column_names if c not in (*text_columns, "label")])
     return Task(Path(task).stem, data, tuple(text_columns), metric, num_labels)
 
 
-def _glue(task: str, data_dir: str | None, sample: bool) -> DatasetDict:
+def _glue(task: str, data_dir: str | None) -> DatasetDict:
+    """GLUE from local files when a folder is given (or HF_NORMSWAP_GLUE_DIR is set), else from the datasets hub."""
     folder = data_dir or os.environ.get("HF_NORMSWAP_GLUE_DIR")
-    if not sample and not folder and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
-        try:
-            return load_dataset("nyu-mll/glue", task).remove_columns("idx")
-        except Exception:  # offline or unreachable: fall back to local files
-            pass
-    folder = Path(folder) if folder else SAMPLE_DIR
-    if not (folder / task).is_dir():
-        raise ValueError(f"GLUE task {task!r}: no local copy in {folder / task} (set --data-dir or HF_NORMSWAP_GLUE_DIR)")
-    return _local(folder / task).remove_columns("idx")
+    if folder:
+        if not (Path(folder) / task).is_dir():
+            raise ValueError(f"GLUE task {task!r}: no folder {Path(folder) / task} with train.jsonl and validation.jsonl")
+        return _local(Path(folder) / task)
+    try:
+        return load_dataset("nyu-mll/glue", task)
+    except Exception as error:
+        raise ValueError(
+            f"GLUE task {task!r} could not be loaded from the datasets hub ({str(error).splitlines()[0]}); offline, "
+            "pass --data-dir (or set HF_NORMSWAP_GLUE_DIR) to a folder holding TASK/train.jsonl and TASK/validation.jsonl"
+        ) from None
 
 
 def _local(path: Path) -> DatasetDict:

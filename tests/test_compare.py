@@ -191,8 +191,38 @@ def test_main_job_defaults_to_the_embedded_experiment(tmp_path):
                 "--output", str(tmp_path / "out")]) == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["experiment"]["model"] is None and saved["experiment"]["learning_rate"] == 1e-4
-    assert saved["task"] == {"name": "sst2", "metric": "sst2", "train_size": 64, "validation_size": 436,
+    assert saved["task"] == {"name": "sst2-sample", "metric": "sst2", "train_size": 64, "validation_size": 436,
                              "majority_baseline": pytest.approx(223 / 436)}
     config = json.loads((tmp_path / "out" / "variants" / "post" / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384
     assert json.loads((tmp_path / "out" / "variants" / "post" / "conversion.json").read_text())["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
+
+
+def test_output_remembers_its_settings(tmp_path, bert_source, capsys):
+    task = tiny_task(tmp_path / "task")
+    base = ["compare", "--model", bert_source, "--task", str(task), "--text-columns", "text", "--variants", "post",
+            "--seeds", "1", "--max-steps", "2", "--output", str(tmp_path / "out")]
+    assert cli(base) == 0
+    assert cli([*base[:-6], "--seeds", "2", "--max-steps", "2", "--output", str(tmp_path / "out")]) == 0  # more seeds
+    capsys.readouterr()
+    assert cli([*base, "--learning-rate", "0.1"]) == 1
+    assert "holds a comparison run with other settings (learning_rate)" in capsys.readouterr().err
+
+
+def test_string_labels_get_the_same_ids_in_both_splits(tmp_path):
+    from hf_normswap.tasks import load_task
+
+    folder = tmp_path / "task"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"t": f"x{i}", "y": y}) + "\n" for i, y in enumerate(["neg", "neu", "pos"])))
+    (folder / "validation.jsonl").write_text("".join(json.dumps({"t": f"v{i}", "y": y}) + "\n" for i, y in enumerate(["neu", "pos"])))
+    task = load_task(str(folder), ("t",), "y")
+    assert task.data["train"]["label"] == [0, 1, 2] and task.data["validation"]["label"] == [1, 2]
+    assert task.num_labels == 3
+
+
+def test_experiment_file_values_are_checked(tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("variants: post\nseeds: '2'\n")
+    capsys.readouterr()
+    assert cli(["compare", "--config", str(tmp_path / "bad.yaml")]) == 1
+    assert "seeds='2' is invalid: expected int" in capsys.readouterr().err

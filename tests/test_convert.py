@@ -85,9 +85,9 @@ def test_llama_becomes_bidirectional_but_verifies_in_causal_mode(tmp_path):
     assert config.is_causal is False and config.norm_placement == "pre"
     assert "lm_head.weight (no place in a NormSwap base model of this configuration)" in report["weights"]["dropped"]
     assert report["swap_effect"]["metric"] == "cosine_similarity" and report["swap_effect"]["after"] < 0.9999
-    assert report["tokenizer"]["pad_token_added"] == "</s>"
+    assert report["tokenizer"]["pad_token_added"] == "</s>" and "tokenizer.json" in report["tokenizer"]["files"]
     assert AutoTokenizer.from_pretrained(tmp_path / "out").pad_token == "</s>"
-    assert config.pad_token_id == AutoTokenizer.from_pretrained(tmp_path / "out").pad_token_id
+    assert config.pad_token_id is None  # as the source: EOS must not become the embedding's padding index
 
 
 def test_post_to_pre_shift_moves_norms_tensor_by_tensor(tmp_path):
@@ -291,8 +291,13 @@ def test_failed_verification_leaves_nothing(tmp_path, monkeypatch, capsys):
 
 def test_bad_options_are_refused(tmp_path):
     save_source(tmp_path / "source", "bert", "Model", tokenizer=False)
+    with pytest.raises(ConversionError, match="head='causal-lm' is invalid for a bert-family source"):
+        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), head="causal-lm", attention="causal")
+    save_source(tmp_path / "llama", "llama", "ForCausalLM", tokenizer=False)
     with pytest.raises(ConversionError, match="head='causal-lm' needs attention='causal'"):
-        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), head="causal-lm")
+        convert_checkpoint(str(tmp_path / "llama"), str(tmp_path / "out"), head="causal-lm")
+    with pytest.raises(ConversionError, match="head='masked-lm' is invalid for a llama-family source"):
+        convert_checkpoint(str(tmp_path / "llama"), str(tmp_path / "out"), head="masked-lm")
     with pytest.raises(ValueError, match="norm_mapping='move' is invalid"):
         convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="pre", norm_mapping="move")
     with pytest.raises(ValueError, match="norm_placement='middle'"):
@@ -313,3 +318,36 @@ def test_real_minilm_converts_exactly(tmp_path):
     assert difference[batch["attention_mask"].bool()].abs().max().item() <= 1e-5
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as file:
         assert "layers.5.mlp_norms.residual_norm.weight" in file.keys()
+
+
+def test_output_must_not_be_the_working_folder(tmp_path, monkeypatch, capsys):
+    save_source(tmp_path / "source", "bert", "Model")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "precious.txt").write_text("keep me")
+    monkeypatch.chdir(work)
+    capsys.readouterr()
+    for output in (".", str(tmp_path)):
+        assert cli(["convert", str(tmp_path / "source"), output, "--overwrite"]) == 1
+        assert "is the working folder or contains it" in capsys.readouterr().err
+    assert (work / "precious.txt").read_text() == "keep me" and os.listdir(work) == ["precious.txt"]
+
+
+def test_output_folder_is_readable_by_others(tmp_path):
+    save_source(tmp_path / "source", "bert", "Model")
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), verify=False, log=lambda _: None)
+    assert (tmp_path / "out").stat().st_mode & 0o055 == 0o055 & ~_umask()
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+def test_legacy_pickle_is_read_with_allow_pickle(tmp_path):
+    model = save_source(tmp_path / "source", "bert", "Model", tokenizer=False)
+    os.remove(tmp_path / "source" / "model.safetensors")
+    torch.save(model.state_dict(), tmp_path / "source" / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), allow_pickle=True, log=lambda _: None)
+    assert report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
