@@ -9,7 +9,7 @@ import datasets
 from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as transformers_logging
 
-from .configuration_normswap import NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
+from .configuration_normswap import NORM_PLACEMENTS, NORM_TYPES, POSITION_EMBEDDING_TYPES
 from .convert import DTYPES
 from .families import FAMILIES
 from .heads import HEAD_CLASSES
@@ -22,13 +22,14 @@ def _placement(value: str) -> str | list[str]:
 
 
 def _add_convert(commands) -> None:
-    parser = commands.add_parser("convert", help="put a BERT- or LLaMA-family checkpoint on NormSwap")
+    parser = commands.add_parser("convert", help="put a BERT-, LLaMA-family or NormSwap checkpoint on NormSwap")
     parser.add_argument("source", help="local folder or Hub id")
     parser.add_argument("output", help="folder to write")
     parser.add_argument("--norm-placement", type=_placement, help=f"one of {', '.join(NORM_PLACEMENTS)} (or one per layer, comma-separated); default: the source's")
     parser.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, help="default: the source's")
+    parser.add_argument("--norm-type", choices=NORM_TYPES, help="default: the source's")
     parser.add_argument("--norm-mapping", choices=NORM_MAPPINGS, default="shift")
-    parser.add_argument("--attention", choices=("bidirectional", "causal"), default="bidirectional")
+    parser.add_argument("--attention", choices=("bidirectional", "causal"), help="default: bidirectional (a NormSwap source: its own)")
     parser.add_argument("--head", choices=("auto", *HEAD_CLASSES), default="auto")
     parser.add_argument("--dtype", choices=DTYPES)
     parser.add_argument("--no-verify", action="store_true", help="skip the exactness check and the swap measurement")
@@ -45,6 +46,7 @@ def _run_convert(args) -> None:
         args.output,
         norm_placement=args.norm_placement,
         position_embedding_type=args.position_embedding_type,
+        norm_type=args.norm_type,
         norm_mapping=args.norm_mapping,
         attention=args.attention,
         head=args.head,

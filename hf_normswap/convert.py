@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoTokenizer
 from . import __version__
 from .checkpoint import ShardWriter, check_output, output_folder, read_tensors, weight_files
 from .configuration_normswap import NormSwapConfig
-from .families import LLAMA, family_of, normswap_config
+from .exact_swaps import apply_exact_swap, keeps_last_hidden_state, plan_exact_swap
+from .families import LLAMA, NORMSWAP, family_of, normswap_config
 from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_architecture, local_name
 from .modeling_normswap import AUTO_MAP
 from .norm_mapping import map_norms, norm_slots
@@ -60,8 +61,9 @@ def convert_checkpoint(
     *,
     norm_placement: str | list[str] | None = None,
     position_embedding_type: str | None = None,
+    norm_type: str | None = None,
     norm_mapping: str = "shift",
-    attention: str = "bidirectional",
+    attention: str | None = None,
     head: str = "auto",
     dtype: str | None = None,
     verify: bool = True,
@@ -70,8 +72,11 @@ def convert_checkpoint(
     family: str | None = None,
     log=print,
 ) -> dict:
-    """Converts SOURCE (folder or Hub id) to a NormSwap checkpoint in OUTPUT and returns the conversion report."""
-    if attention not in ("bidirectional", "causal"):
+    """Converts SOURCE (folder or Hub id) to a NormSwap checkpoint in OUTPUT and returns the conversion report.
+
+    `attention` defaults to bidirectional, or to the source's own for a NormSwap source.
+    """
+    if attention not in (None, "bidirectional", "causal"):
         raise ConversionError(f"attention={attention!r} is invalid: allowed are 'bidirectional', 'causal'")
     if dtype not in (None, *DTYPES):
         raise ConversionError(f"dtype={dtype!r} is invalid: allowed are {list(DTYPES)}")
@@ -87,6 +92,8 @@ def convert_checkpoint(
             f"{folder}: a {source_family.name}-family checkpoint ({source_config.model_type}), expected {family}-family"
         )
     files = weight_files(folder, allow_pickle)
+    if attention is None:
+        attention = "causal" if source_family is NORMSWAP and source_config.is_causal else "bidirectional"
 
     # A config without `architectures` is taken as the base model ("BertConfig" -> "BertModel").
     architecture = (source_config.architectures or [type(source_config).__name__.removesuffix("Config") + "Model"])[0]
@@ -106,8 +113,13 @@ def convert_checkpoint(
         swaps.update(norm_placement=norm_placement, embedding_norm=None, final_norm=None)
     if position_embedding_type is not None:
         swaps["position_embedding_type"] = position_embedding_type
+    if norm_type is not None:
+        swaps["norm_type"] = norm_type
     target = normswap_config(source_config, **swaps)
     norm_sources = map_norms(plain, target, norm_mapping)
+    exact_swap, exact_fields = plan_exact_swap(plain, target, head, norm_sources)
+    if exact_fields:
+        target = normswap_config(source_config, **swaps, **exact_fields)
 
     report = {
         "hf_normswap_version": __version__,
@@ -118,6 +130,7 @@ def convert_checkpoint(
             "architecture": architecture,
             "license": _source_license(folder),
         },
+        "lineage": _lineage(folder),
         "source_config": source_config.to_dict(),
         "target_config": None,
         "head": head,
@@ -125,6 +138,8 @@ def convert_checkpoint(
             "norm_placement": [plain.norm_placement, target.norm_placement],
             "position_embedding_type": [plain.position_embedding_type, target.position_embedding_type],
             "attention": ["causal" if plain.is_causal else "bidirectional", attention],
+            "norm_type": [plain.norm_type, target.norm_type],
+            "exact_swap": exact_swap,
         },
         "norm_mapping": norm_mapping,
         "norm_sources": norm_sources,
@@ -138,7 +153,9 @@ def convert_checkpoint(
         )
 
     with output_folder(output, overwrite) as staging:
-        tensors = _write_weights(files, source_family, plain, target, head, norm_sources, dtype, staging, report)
+        tensors = _write_weights(
+            files, source_family, plain, target, head, norm_sources, exact_swap, dtype, staging, report
+        )
         report["tokenizer"] = _copy_tokenizer(folder, source_family, staging)
         target.architectures = [HEAD_CLASSES[head].__name__]
         target.auto_map = dict(AUTO_MAP)
@@ -149,11 +166,11 @@ def convert_checkpoint(
 
         if verify:
             plain_model = load_plain(plain, head, tensors)
-            report["measured"] = _verify(folder, plain_model, head, report, log)
+            report["measured"] = _verify(folder, plain_model, staging, head, exact_swap, report, log)
             report["swap_effect"] = swap_effect(plain_model, staging, head, source_family)
             log(_swap_line(report["swap_effect"]))
         else:
-            report["measured"] = None
+            report["measured"] = report["exact"] = report["swap_distance"] = None
             report["swap_effect"] = None
             log("verification skipped (--no-verify)")
         (staging / "conversion.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -161,8 +178,9 @@ def convert_checkpoint(
     return report
 
 
-def _write_weights(files, family, plain, target, head, norm_sources, dtype, staging, report) -> dict:
-    """Streams the source tensors into the target's names and shards; returns where each plain tensor came from."""
+def _write_weights(files, family, plain, target, head, norm_sources, exact_swap, dtype, staging, report) -> dict:
+    """Streams the source tensors into the target's names and shards (through memory when an exact swap rewrites
+    them); returns where each plain tensor came from."""
     with torch.device("meta"):
         expected = HEAD_CLASSES[head](target).state_dict()
     tied = set(HEAD_CLASSES[head]._tied_weights_keys or {}) if target.tie_word_embeddings else set()
@@ -170,7 +188,22 @@ def _write_weights(files, family, plain, target, head, norm_sources, dtype, stag
     plain_norms = {slot.name for slot in norm_slots(plain)}
     cast = getattr(torch, dtype) if dtype else None
     writer = ShardWriter(staging, max_shard_bytes=max(file.stat().st_size for file in files))
-    origins, written, dropped, weights_dtype = {}, set(), [], cast
+    origins, written, dropped, collected, dtypes = {}, set(), [], {}, []
+
+    def place(name: str, tensor: torch.Tensor, file: Path, source_name: str) -> None:
+        name = local_name(name, head)
+        if name in tied:
+            return
+        if name not in expected:
+            dropped.append(f"{source_name} (no place in a NormSwap {head} model of this configuration)")
+            return
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ConversionError(
+                f"{file}: tensor {source_name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
+        dtypes.append(tensor.dtype)
+        writer.add(name, tensor.to(cast) if cast else tensor)
+        written.add(name)
 
     for file in files:
         for source_name, tensor in read_tensors(file):
@@ -189,21 +222,14 @@ def _write_weights(files, family, plain, target, head, norm_sources, dtype, stag
                     dropped.append(f"{source_name} (a norm without a slot under the new placement)")
                     continue
                 name = f"{moved_norms[norm]}.{parameter}"
-            name = local_name(name, head)
-            if name in tied:
-                continue
-            if name not in expected:
-                dropped.append(f"{source_name} (no place in a NormSwap {head} model of this configuration)")
-                continue
-            if tuple(tensor.shape) != tuple(expected[name].shape):
-                raise ConversionError(
-                    f"{file}: tensor {source_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(expected[name].shape)}"
-                )
-            tensor = tensor.to(cast) if cast else tensor
-            weights_dtype = weights_dtype or tensor.dtype
-            writer.add(name, tensor)
-            written.add(name)
+            if exact_swap:  # rewritten as a whole below
+                collected[name] = tensor
+            else:
+                place(name, tensor, file, source_name)
+    if exact_swap:
+        for name, tensor in apply_exact_swap(exact_swap, collected, plain, target, head).items():
+            place(name, tensor, files[0].parent, f"{name} (after the {exact_swap} swap)")
+    weights_dtype = cast or dtypes[0]
 
     new_norms = {local_name(goal, head) for goal, source in norm_sources.items() if source is None}
     initialized, at_load = [], []
@@ -211,9 +237,16 @@ def _write_weights(files, family, plain, target, head, norm_sources, dtype, stag
     for name, meta in expected.items():
         if name in written or name in tied:
             continue
-        if name.rsplit(".", 1)[0] in new_norms:
-            value = torch.ones(meta.shape) if name.endswith("weight") else torch.zeros(meta.shape)
+        module, parameter = name.rsplit(".", 1)
+        if module in new_norms:
+            value = torch.ones(meta.shape) if parameter == "weight" else torch.zeros(meta.shape)
             initialized.append(f"{name} (identity)")
+        elif parameter == "bias" and f"{module}.weight" in written:
+            value = torch.zeros(meta.shape)
+            initialized.append(f"{name} (zero: the source has no bias there)")
+        elif parameter == "alpha":
+            value = torch.full(meta.shape, target.dyt_alpha_init)
+            initialized.append(f"{name} (dyt_alpha_init {target.dyt_alpha_init})")
         elif name.endswith("embeddings.position_embeddings.weight"):
             value = torch.randn(meta.shape, generator=generator) * target.initializer_range
             initialized.append(f"{name} (normal, std {target.initializer_range})")
@@ -231,6 +264,18 @@ def _write_weights(files, family, plain, target, head, norm_sources, dtype, stag
         "dtype": dtype or str(weights_dtype).removeprefix("torch."),
     }
     return origins
+
+
+def _lineage(folder: Path) -> list[dict]:
+    """The reports of the steps that made a NormSwap source (`conversion.json` and its own lineage), oldest first."""
+    record = folder / "conversion.json"
+    if not record.exists():
+        return []
+    try:
+        earlier = json.loads(record.read_text())
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{record}: not valid JSON ({error})") from None
+    return [*earlier.pop("lineage", []), earlier]
 
 
 def _source_license(folder: Path) -> str | None:
@@ -290,35 +335,62 @@ def random_batch(vocab_size: int, pad_token_id: int | None, seed: int = 0):
     return input_ids.masked_fill(attention_mask == 0, pad), attention_mask
 
 
-def _verify(folder, ours, head, report, log) -> dict:
-    """Runs the source and the unswapped conversion on random padded inputs; raises beyond tolerance."""
-    native = NATIVE_AUTO_CLASSES[head].from_pretrained(folder, dtype=torch.float32).eval()
-    plain = ours.config
-    if native.config.pad_token_id is None:  # LLaMA-family classifiers find the last token by a pad id
-        native.config.pad_token_id = plain.eos_token_id if isinstance(plain.eos_token_id, int) else 0
-    input_ids, attention_mask = random_batch(plain.vocab_size, native.config.pad_token_id)
+def _differences(native, ours, head: str, batch, compare_hidden: bool, compare_logits: bool) -> tuple:
+    """Max |difference| between two models on the real tokens of `batch`: last hidden state, head logits."""
+    input_ids, attention_mask = batch
     real = attention_mask.bool()
+    hidden_diff = logits_diff = None
     with torch.no_grad():
-        native_hidden = native.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
-        ours_hidden = ours.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
-        hidden_diff = (native_hidden - ours_hidden)[real].abs().max().item()
-        logits_diff = None
-        if head != "base" and not report["weights"]["initialized_at_load"]:
+        if compare_hidden:
+            native_hidden = native.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
+            ours_hidden = ours.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden_diff = (native_hidden - ours_hidden)[real].abs().max().item()
+        if compare_logits:
             native_outputs = native(input_ids, attention_mask=attention_mask, return_dict=False)
             ours_outputs = ours(input_ids, attention_mask=attention_mask, return_dict=False)
             count = 2 if head == "question-answering" else 1  # start and end logits
             differences = [(a - b).abs() for a, b in zip(native_outputs[:count], ours_outputs[:count])]
             per_token = head != "sequence-classification"
             logits_diff = max((d[real] if per_token else d).max().item() for d in differences)
+    return hidden_diff, logits_diff
+
+
+def _within_tolerance(hidden_diff, logits_diff) -> bool:
+    return (hidden_diff is None or hidden_diff <= HIDDEN_TOLERANCE) and (
+        logits_diff is None or logits_diff <= LOGITS_TOLERANCE
+    )
+
+
+def _verify(folder, plain_model, staging, head, exact_swap, report, log) -> dict:
+    """Runs the source, the unswapped conversion and the written model on random padded inputs. Raises when the
+    unswapped conversion is beyond tolerance; records whether the written model is exact, and how far it is."""
+    native = NATIVE_AUTO_CLASSES[head].from_pretrained(folder, dtype=torch.float32).eval()
+    plain = plain_model.config
+    if native.config.pad_token_id is None:  # LLaMA-family classifiers find the last token by a pad id
+        native.config.pad_token_id = plain.eos_token_id if isinstance(plain.eos_token_id, int) else 0
+    batch = random_batch(plain.vocab_size, native.config.pad_token_id)
+    compare_logits = head != "base" and not report["weights"]["initialized_at_load"]
+    hidden_diff, logits_diff = _differences(native, plain_model, head, batch, True, compare_logits)
     mode = "causal" if plain.is_causal else "bidirectional"
     log(f"verified against {type(native).__name__} ({mode}): max |difference| last hidden state {hidden_diff:.2e}"
         + (f", logits {logits_diff:.2e}" if logits_diff is not None else ""))
-    if hidden_diff > HIDDEN_TOLERANCE or (logits_diff is not None and logits_diff > LOGITS_TOLERANCE):
+    if not _within_tolerance(hidden_diff, logits_diff):
         logits = "not compared" if logits_diff is None else f"{logits_diff:.3e}"
         raise ConversionError(
             f"verification failed: max |difference| {hidden_diff:.3e} on the last hidden state (tolerance "
             f"{HIDDEN_TOLERANCE}), {logits} on the logits (tolerance {LOGITS_TOLERANCE}); nothing was written"
         )
+
+    written = HEAD_CLASSES[head].from_pretrained(staging, dtype=torch.float32).eval()
+    compare_hidden = keeps_last_hidden_state(exact_swap, head)
+    swap_hidden, swap_logits = _differences(native, written, head, batch, compare_hidden, compare_logits)
+    report["exact"] = (compare_hidden or compare_logits) and _within_tolerance(swap_hidden, swap_logits)
+    report["swap_distance"] = {"last_hidden_state_max_abs_diff": swap_hidden, "logits_max_abs_diff": swap_logits}
+    compared = ", ".join(
+        f"{what} {value:.2e}" for what, value in (("last hidden state", swap_hidden), ("logits", swap_logits))
+        if value is not None
+    )
+    log(f"written model: {'exact' if report['exact'] else 'approximate'} (max |difference| to the source: {compared})")
     return {"last_hidden_state_max_abs_diff": hidden_diff, "logits_max_abs_diff": logits_diff, "mode": mode}
 
 

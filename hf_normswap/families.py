@@ -92,7 +92,16 @@ LLAMA = Family(
     dropped=(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"rotary_emb\.inv_freq"),
 )
 
-FAMILIES = (BERT, LLAMA)
+NORMSWAP = Family(
+    name="normswap",
+    model_types=("normswap",),
+    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering", "causal-lm"),
+    base_prefixes=(),
+    renames=((r"^(model|pooler|classifier|qa_outputs|lm_head)\.", r"\1."), (r"^", "model.")),
+    dropped=(),
+)
+
+FAMILIES = (BERT, LLAMA, NORMSWAP)
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 
 
@@ -108,7 +117,10 @@ def family_of(config: PreTrainedConfig) -> Family:
 
 def normswap_config(source: PreTrainedConfig, **overrides) -> NormSwapConfig:
     """The NormSwap configuration that computes what `source` computes (LLaMA family: in causal mode)."""
-    fields = _bert_fields(source) if family_of(source) is BERT else _llama_fields(source)
+    family = family_of(source)
+    if family is NORMSWAP:
+        return NormSwapConfig.from_dict({**source.to_dict(), **overrides})
+    fields = _bert_fields(source) if family is BERT else _llama_fields(source)
     for name in ("id2label", "label2id", "problem_type", "bos_token_id", "eos_token_id"):
         if getattr(source, name, None) is not None:
             fields[name] = getattr(source, name)
