@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -25,8 +26,8 @@ def weight_files(folder: Path, allow_pickle: bool = False) -> list[Path]:
         found = (folder / index).exists() or (folder / single).exists()
         if found and pickled and not allow_pickle:
             raise CheckpointError(
-                f"{folder}: only pickle weights ({single}) found; they can run code when loaded, so they are refused "
-                "unless you pass --allow-pickle (they are then loaded with weights_only=True)"
+                f"{folder}: only pickle weights ({single}), which can run code when loaded; pass --allow-pickle to "
+                "read them with weights_only=True"
             )
         if (folder / index).exists():
             try:
@@ -51,8 +52,13 @@ def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError:  # legacy (non-zip) pickles cannot be memory-mapped
                 state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            if "Unsupported global" not in str(error):  # a damaged file, not an object that weights_only refused
+                raise CheckpointError(f"{path}: not a readable weights file (a damaged pickle)") from None
+            raise CheckpointError(f"{path.name} is not a plain weights file (it would run code when loaded)") from None
         except Exception as error:
-            raise CheckpointError(f"{path}: cannot be read as weights ({type(error).__name__}: {error})") from None
+            message = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
+            raise CheckpointError(f"{path}: cannot be read as weights ({type(error).__name__}: {message})") from None
         yield from state.items()
         return
     try:

@@ -80,16 +80,23 @@ def _add_compare(commands) -> None:
         description="Without --model or --config, the embedded default experiment (hf_normswap/data/default_experiment.yaml: "
         "all-MiniLM-L6-v2 as post, pre and sandwich on the shipped SST-2 sample) is the base that options override.",
     )
-    parser.add_argument("--config", help="a YAML or JSON experiment file; options given here take precedence")
+    parser.add_argument(
+        "--config",
+        help="a YAML or JSON experiment file, or the name of one shipped with the package (stability); "
+        "options given here take precedence",
+    )
     for field in dataclasses.fields(Experiment):
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        parser.add_argument(
-            f"--{field.name.replace('_', '-')}", dest=field.name, type=_option_type(field), help=f"default: {default}"
-        )
+        option = f"--{field.name.replace('_', '-')}"
+        if field.type is bool:
+            parser.add_argument(option, dest=field.name, action="store_const", const=True, help=f"default: {default}")
+        else:
+            parser.add_argument(option, dest=field.name, type=_option_type(field), help=f"default: {default}")
 
 
 def _option_type(field):
-    """How to read a command-line value for an `Experiment` field (lists are comma-separated)."""
+    """How to read a command-line value for an `Experiment` field (lists are comma-separated; numbers in a list
+    are read, and checked, with the experiment)."""
     if "list" in str(field.type):
         return lambda text: text.split(",")
     for kind in (int, float):
@@ -152,8 +159,15 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (no usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-normswap", description="Swap the layer-norm arrangement of pretrained weights.")
+    parser = _Parser(prog="hf-normswap", description="Swap the layer-norm arrangement of pretrained weights.")
     commands = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():
         add(commands)

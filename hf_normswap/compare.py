@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -12,21 +13,25 @@ from huggingface_hub.errors import StrictDataclassError
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
     Trainer,
     TrainingArguments,
 )
 
+from .checkpoint import read_tensors, weight_files
 from .configuration_normswap import NormSwapConfig, mix_ln_placement
 from .convert import convert_checkpoint
 from .diagnostics import DiagnosticsCallback
-from .experiment import Experiment, parse_variant
+from .experiment import Experiment, parse_variant, split_variant
 from .metrics import load_metric
-from .modeling_normswap import NormSwapForSequenceClassification
+from .modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
 from .report import write_report
-from .tasks import load_task
+from .search import choose, dev_split
+from .tasks import load_task, unigram_loss
 
 
 def default_model() -> str:
@@ -39,52 +44,78 @@ def default_model() -> str:
 
 
 def run_comparison(experiment: Experiment) -> dict | None:
-    """Runs every (variant, seed) not finished yet, then writes the report; returns the results (main process)."""
+    """Runs every (variant, seed) not finished yet, then writes the report; returns the results (main process).
+
+    With a grid of settings, each variant first trains at every point of its grid on the training data less a
+    development split, and then runs every seed at the point that scored best there (validation is never used).
+    """
     experiment.validate()
     state = PartialState(cpu=not torch.accelerator.is_available())  # CPU-only: gloo data parallel under torchrun
     model = experiment.model or default_model()
+    from_config = model.endswith(".json")
+    if not from_config and Path(model).is_dir():
+        _check_weights(Path(model), experiment.allow_pickle)
     output = Path(experiment.output)
-    task = load_task(experiment.task, experiment.text_columns, experiment.label_column, experiment.data_dir)
+    causal = experiment.task_type == "causal-lm"
+    label_column = None if causal else experiment.label_column
+    task = load_task(experiment.task, experiment.text_columns, label_column, experiment.data_dir)
     if experiment.max_train_samples is not None:
         task.data["train"] = task.data["train"].select(range(min(experiment.max_train_samples, len(task.data["train"]))))
-    from_config = model.endswith(".json")
     tokenizer = AutoTokenizer.from_pretrained(experiment.tokenizer or (default_model() if from_config else model))
     if tokenizer.pad_token is None:  # LLaMA-family tokenizers, as the converter does
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    encoded = task.data.map(
-        lambda batch: tokenizer(*(batch[c] for c in task.text_columns), truncation=True, max_length=experiment.max_length),
-        batched=True,
-        remove_columns=[c for c in task.data["train"].column_names if c != "label"],
-    )
+    runner = _Runner(experiment, task, tokenizer, state)
+    searched = [variant for variant in experiment.variants if len(experiment.grid(variant)) > 1]
+    if searched:
+        search_train, dev = dev_split(runner.encoded["train"], experiment.dev_fraction)
     with state.main_process_first():
         _claim_output(output, experiment)
         sources = {variant: _prepare_variant(model, variant, from_config, task, experiment, output) for variant in experiment.variants}
 
+    search = {}
+    if searched:
+        grid_runs = [(v, point, seed) for seed in range(experiment.search_seeds) for v in searched for point in experiment.grid(v)]
+        results = []
+        for variant, point, seed in tqdm(grid_runs, desc="settings search", disable=not state.is_main_process):
+            name = f"{_folder(variant)}-lr{point['learning_rate']:g}-warmup{point['warmup_ratio']:g}-seed{seed}"
+            results.append(runner.run(sources[variant], variant, seed, point, search_train, dev, output / "search" / name))
+        for variant in searched:
+            found = choose(experiment.grid(variant), [r for r in results if r["variant"] == variant], runner.selection_metric)
+            search[variant] = found
+        search = {"dev_split": {"fraction": experiment.dev_fraction, "size": len(dev), "seed": 0}, "variants": search}
+
     runs = [(variant, seed) for seed in range(experiment.seeds) for variant in experiment.variants]
     results = []
     for variant, seed in tqdm(runs, desc="runs", disable=not state.is_main_process):
-        run_dir = output / "runs" / f"{variant.replace(':', '-')}-seed{seed}"
-        result_file = run_dir / "result.json"
-        if not result_file.exists():
-            result = _train(sources[variant], variant, seed, task, encoded, tokenizer, experiment, run_dir)
-            if state.is_main_process:
-                result_file.write_text(json.dumps(result, indent=1) + "\n")
-                for checkpoint in run_dir.glob("checkpoint-*"):
-                    shutil.rmtree(checkpoint)
-            state.wait_for_everyone()
-        results.append(json.loads(result_file.read_text()))
+        point = search["variants"][variant]["chosen"] if variant in searched else experiment.grid(variant)[0]
+        run_dir = output / "runs" / f"{_folder(variant)}-seed{seed}"
+        results.append(runner.run(sources[variant], variant, seed, point, runner.encoded["train"], runner.encoded["validation"], run_dir))
     if not state.is_main_process:
         return None
-    return write_report(output, experiment, task, results)
+    return write_report(output, experiment, task, results, search=search or None)
+
+
+def _folder(variant: str) -> str:
+    return variant.replace(":", "-")
+
+
+def _check_weights(folder: Path, allow_pickle: bool) -> None:
+    """Refuses, before any work, a checkpoint whose weights cannot be read safely."""
+    for file in weight_files(folder, allow_pickle):
+        if file.suffix != ".safetensors":
+            next(read_tensors(file), None)
+
+
+_RESUMABLE = ("seeds", "variants", "output", "reference", "report_to")  # may change between runs into one OUTPUT
 
 
 def _claim_output(output: Path, experiment: Experiment) -> None:
     """Records the experiment in OUTPUT, or checks that OUTPUT holds the same one (more seeds or variants are fine)."""
-    settings = {k: v for k, v in dataclasses.asdict(experiment).items() if k not in ("seeds", "variants", "output")}
+    settings = {k: v for k, v in dataclasses.asdict(experiment).items() if k not in _RESUMABLE}
     record = output / "experiment.json"
     if record.exists():
-        previous = json.loads(record.read_text())
-        changed = sorted(k for k in settings if previous.get(k) != settings[k])
+        previous, defaults = json.loads(record.read_text()), dataclasses.asdict(Experiment())
+        changed = sorted(k for k in settings if previous.get(k, defaults[k]) != settings[k])
         if changed:
             raise ValueError(
                 f"{output} holds a comparison run with other settings ({', '.join(changed)}); "
@@ -96,8 +127,10 @@ def _claim_output(output: Path, experiment: Experiment) -> None:
 
 def _prepare_variant(model: str, variant: str, from_config: bool, task, experiment: Experiment, output: Path) -> dict:
     """Where a variant's starting weights come from: a converted folder, the native checkpoint, or a config."""
-    placement, position = parse_variant(variant)
-    if variant == "native":
+    name = split_variant(variant)[0]
+    placement, position = parse_variant(name)
+    causal = experiment.task_type == "causal-lm"
+    if name == "native":
         return {"kind": "native", "path": model}
     try:
         source_config = NormSwapConfig.from_json_file(model) if from_config else AutoConfig.from_pretrained(model)
@@ -112,8 +145,12 @@ def _prepare_variant(model: str, variant: str, from_config: bool, task, experime
         if position:
             fields.update(position_embedding_type=position)
         fields = {k: v for k, v in fields.items() if k not in ("id2label", "label2id")}
-        return {"kind": "config", "config": NormSwapConfig.from_dict({**fields, "num_labels": task.num_labels}).to_dict()}
-    folder = output / "variants" / variant.replace(":", "-")
+        if causal:
+            fields.update(is_causal=True)
+        else:
+            fields.update(num_labels=task.num_labels)
+        return {"kind": "config", "config": NormSwapConfig.from_dict(fields).to_dict()}
+    folder = output / "variants" / _folder(name)
     if not (folder / "conversion.json").exists():
         convert_checkpoint(
             model,
@@ -121,19 +158,23 @@ def _prepare_variant(model: str, variant: str, from_config: bool, task, experime
             norm_placement=placement,
             position_embedding_type=position,
             norm_mapping=experiment.norm_mapping,
-            head="sequence-classification",
+            attention="causal" if causal else "bidirectional",
+            head="causal-lm" if causal else "sequence-classification",
             overwrite=True,
+            allow_pickle=experiment.allow_pickle,
             log=lambda line: None,
         )
     return {"kind": "converted", "path": str(folder)}
 
 
-def _build_model(source: dict, seed: int, num_labels: int) -> torch.nn.Module:
-    """The variant's model with a classification head initialised from `seed` alone, the same for every variant."""
+def _build_model(source: dict, seed: int, num_labels: int, causal: bool) -> torch.nn.Module:
+    """The variant's model; a classification head is initialised from `seed` alone, the same for every variant."""
+    torch.manual_seed(seed)  # whatever the checkpoint lacks (pooler, head), or all of a config's weights
     if source["kind"] == "config":
-        torch.manual_seed(seed)
-        return NormSwapForSequenceClassification(NormSwapConfig.from_dict(source["config"]))
-    torch.manual_seed(seed)  # whatever the checkpoint lacks (pooler, head) is initialised from the seed
+        config = NormSwapConfig.from_dict(source["config"])
+        return NormSwapForCausalLM(config) if causal else NormSwapForSequenceClassification(config)
+    if causal:
+        return AutoModelForCausalLM.from_pretrained(source["path"])
     model = AutoModelForSequenceClassification.from_pretrained(
         source["path"], num_labels=num_labels, ignore_mismatched_sizes=True
     )
@@ -147,58 +188,98 @@ def _build_model(source: dict, seed: int, num_labels: int) -> torch.nn.Module:
     return model
 
 
-def _train(source, variant, seed, task, encoded, tokenizer, experiment: Experiment, run_dir: Path) -> dict:
-    model = _build_model(source, seed, task.num_labels)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    metric = load_metric(task.metric)
-    args = TrainingArguments(
-        output_dir=str(run_dir),
-        learning_rate=experiment.learning_rate,
-        per_device_train_batch_size=experiment.batch_size,
-        per_device_eval_batch_size=experiment.batch_size,
-        num_train_epochs=experiment.epochs,
-        max_steps=experiment.max_steps,
-        warmup_steps=experiment.warmup_ratio,
-        weight_decay=experiment.weight_decay,
-        eval_strategy="epoch",
-        save_strategy="epoch",
-        logging_steps=experiment.logging_steps,
-        seed=seed,
-        data_seed=seed,
-        report_to=[],
-        restore_callback_states_from_checkpoint=True,
-        use_cpu=not torch.accelerator.is_available(),
-    )
-    collator = DataCollatorWithPadding(tokenizer)
-    probe = collator([encoded["validation"][i] for i in range(min(16, len(encoded["validation"])))])
-    probe = {name: values.tolist() for name, values in probe.items()}
-    diagnostics = DiagnosticsCallback(probe=probe, num_layers=model.config.num_hidden_layers)
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=encoded["train"],
-        eval_dataset=encoded["validation"],
-        data_collator=collator,
-        compute_metrics=lambda prediction: metric.compute(
-            predictions=np.argmax(prediction.predictions, axis=-1), references=prediction.label_ids
-        ),
-        callbacks=[diagnostics],
-    )
-    resume = any(run_dir.glob("checkpoint-*"))
-    trainer.train(resume_from_checkpoint=True if resume else None)
-    history = trainer.state.log_history
-    evaluations = [entry for entry in history if "eval_loss" in entry]
-    metrics = {key.removeprefix("eval_"): value for key, value in evaluations[-1].items() if key.startswith("eval_")}
-    diagnostics = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DiagnosticsCallback))
-    return {
-        "variant": variant,
-        "seed": seed,
-        "metrics": metrics,
-        "failed": metrics.get("accuracy", 1.0) <= task.majority_baseline,
-        "log_history": history,
-        "diagnostics": diagnostics.records,
-        "model_config": model.config.to_dict(),
-        "training_arguments": json.loads(args.to_json_string()),
-        "resumed": resume,
-    }
+class _Runner:
+    """Trains one (variant, seed, settings) run through the Trainer, or reads it back when it has finished."""
+
+    def __init__(self, experiment: Experiment, task, tokenizer, state: PartialState):
+        self.experiment, self.task, self.tokenizer, self.state = experiment, task, tokenizer, state
+        self.causal = experiment.task_type == "causal-lm"
+        columns = task.data["train"].column_names
+        self.encoded = task.data.map(
+            lambda batch: tokenizer(*(batch[c] for c in task.text_columns), truncation=True, max_length=experiment.max_length),
+            batched=True,
+            remove_columns=[c for c in columns if self.causal or c != "label"],
+        )
+        if self.causal:
+            self.collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+            task.metric = "perplexity"
+            task.unigram_loss = unigram_loss(self.encoded["train"]["input_ids"], self.encoded["validation"]["input_ids"], len(tokenizer))
+            self.selection_metric = "loss"
+        else:
+            self.collator = DataCollatorWithPadding(tokenizer)
+            self.metric = load_metric(task.metric)
+            self.selection_metric = "accuracy"  # what every supported task's metric reports
+
+    def run(self, source: dict, variant: str, seed: int, point: dict, train, evaluation, run_dir: Path) -> dict:
+        result_file = run_dir / "result.json"
+        if not result_file.exists():
+            result = self._train(source, variant, seed, point, train, evaluation, run_dir)
+            if self.state.is_main_process:
+                result_file.write_text(json.dumps(result, indent=1) + "\n")
+                for checkpoint in run_dir.glob("checkpoint-*"):
+                    shutil.rmtree(checkpoint)
+            self.state.wait_for_everyone()
+        return json.loads(result_file.read_text())
+
+    def _compute_metrics(self, prediction) -> dict:
+        return self.metric.compute(predictions=np.argmax(prediction.predictions, axis=-1), references=prediction.label_ids)
+
+    def _train(self, source, variant, seed, point, train, evaluation, run_dir: Path) -> dict:
+        experiment, task, tokenizer = self.experiment, self.task, self.tokenizer
+        model = _build_model(source, seed, task.num_labels, self.causal)
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+        args = TrainingArguments(
+            output_dir=str(run_dir),
+            run_name=run_dir.name if run_dir.parent.name == "runs" else f"search-{run_dir.name}",
+            learning_rate=point["learning_rate"],
+            per_device_train_batch_size=experiment.batch_size,
+            per_device_eval_batch_size=experiment.batch_size,
+            num_train_epochs=experiment.epochs,
+            max_steps=experiment.max_steps,
+            warmup_steps=point["warmup_ratio"],
+            weight_decay=experiment.weight_decay,
+            eval_strategy="epoch",
+            save_strategy="epoch",
+            logging_steps=experiment.logging_steps,
+            seed=seed,
+            data_seed=seed,
+            report_to=experiment.report_to,
+            restore_callback_states_from_checkpoint=True,
+            use_cpu=not torch.accelerator.is_available(),
+        )
+        probe = self.collator([evaluation[i] for i in range(min(16, len(evaluation)))])
+        probe = {name: values.tolist() for name, values in probe.items()}
+        diagnostics = DiagnosticsCallback(probe=probe, num_layers=model.config.num_hidden_layers)
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=train,
+            eval_dataset=evaluation,
+            data_collator=self.collator,
+            compute_metrics=None if self.causal else self._compute_metrics,
+            callbacks=[diagnostics],
+        )
+        resume = any(run_dir.glob("checkpoint-*"))
+        trainer.train(resume_from_checkpoint=True if resume else None)
+        history = trainer.state.log_history
+        evaluations = [entry for entry in history if "eval_loss" in entry]
+        metrics = {key.removeprefix("eval_"): value for key, value in evaluations[-1].items() if key.startswith("eval_")}
+        if self.causal:
+            metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))  # nan stays nan
+            failed = not metrics["loss"] < task.unigram_loss
+        else:
+            failed = metrics["accuracy"] <= task.majority_baseline
+        diagnostics = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DiagnosticsCallback))
+        return {
+            "variant": variant,
+            "seed": seed,
+            "point": point,
+            "metrics": metrics,
+            "failed": failed,
+            "log_history": history,
+            "diagnostics": diagnostics.records,
+            "model_config": model.config.to_dict(),
+            "training_arguments": json.loads(args.to_json_string()),
+            "resumed": resume,
+        }

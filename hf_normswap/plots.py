@@ -1,4 +1,5 @@
-"""Figures of a comparison: loss, evaluation metric, per-layer gradient norm at initialisation, residual RMS."""
+"""Figures of a comparison: loss and evaluation curves with their spread over seeds, per-seed differences from the
+reference, the settings search, per-layer gradient norm at initialisation, residual RMS."""
 
 from pathlib import Path
 
@@ -17,29 +18,53 @@ def _by_variant(results: list[dict]) -> dict[str, list[dict]]:
     return grouped
 
 
-def _mean_curve(runs: list[dict], key: str) -> tuple[list[float], np.ndarray]:
+def _curves(runs: list[dict], key: str) -> tuple[list[float], np.ndarray]:
+    """The steps every run logged `key` at, and the values (one row per run)."""
     curves = [{entry["step"]: entry[key] for entry in run["log_history"] if key in entry} for run in runs]
     steps = sorted(set.intersection(*(set(curve) for curve in curves)))
-    return steps, np.array([[curve[step] for step in steps] for curve in curves]).mean(axis=0)
+    return steps, np.array([[curve[step] for step in steps] for curve in curves], dtype=float).reshape(len(runs), -1)
 
 
-def write_plots(output: Path, results: list[dict]) -> list[str]:
+def _plot_band(axis, runs: list[dict], key: str, label: str, color: str, **style) -> None:
+    """The mean over seeds, with a band of ±1 standard deviation when there are several seeds."""
+    steps, values = _curves(runs, key)
+    mean = values.mean(axis=0)
+    axis.plot(steps, mean, color=color, label=label, **style)
+    if len(runs) > 1:
+        std = values.std(axis=0, ddof=1)
+        axis.fill_between(steps, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+
+
+def _main_metric(results: list[dict]) -> str:
+    return next(name for name in results[0]["metrics"] if name not in ("loss", "runtime", "samples_per_second", "steps_per_second"))
+
+
+def write_plots(output: Path, results: list[dict], reference: str | None = None, search: dict | None = None) -> list[str]:
     """Writes the PNG figures into `output`; returns their file names."""
     grouped = _by_variant(results)
-    metric = next(name for name in results[0]["metrics"] if name not in ("loss", "runtime", "samples_per_second", "steps_per_second"))
+    metric = _main_metric(results)
+    seeds = len({r["seed"] for r in results})
+    spread = " (mean ± 1 std over seeds)" if seeds > 1 else ""
     figures = {}
 
     figure, axis = plt.subplots(figsize=(6, 4))
-    for variant, runs in grouped.items():
-        axis.plot(*_mean_curve(runs, "loss"), label=variant)
-    axis.set(xlabel="step", ylabel="training loss (mean over seeds)", title="Training loss")
+    for index, (variant, runs) in enumerate(grouped.items()):
+        _plot_band(axis, runs, "loss", variant, f"C{index}")
+    axis.set(xlabel="step", ylabel="training loss", title="Training loss" + spread)
     figures["loss.png"] = figure
 
+    eval_key = "eval_loss" if metric == "perplexity" else f"eval_{metric}"
     figure, axis = plt.subplots(figsize=(6, 4))
-    for variant, runs in grouped.items():
-        axis.plot(*_mean_curve(runs, f"eval_{metric}"), marker="o", label=variant)
-    axis.set(xlabel="step", ylabel=f"validation {metric} (mean over seeds)", title=f"Validation {metric}")
+    for index, (variant, runs) in enumerate(grouped.items()):
+        _plot_band(axis, runs, eval_key, variant, f"C{index}", marker="o")
+    axis.set(xlabel="step", ylabel=f"validation {eval_key.removeprefix('eval_')}",
+             title=f"Validation {eval_key.removeprefix('eval_')}" + spread)
     figures["eval_metric.png"] = figure
+
+    if reference is not None and len(grouped) > 1:
+        figures["paired_differences.png"] = _paired_figure(grouped, reference, metric)
+    if search:
+        figures["grid_search.png"] = _search_figure(search)
 
     figure, axis = plt.subplots(figsize=(6, 4))
     for index, (variant, runs) in enumerate(grouped.items()):
@@ -61,8 +86,49 @@ def write_plots(output: Path, results: list[dict]) -> list[str]:
     figures["residual_rms.png"] = figure
 
     for name, figure in figures.items():
-        figure.axes[0].legend(fontsize=7)
+        if figure.axes[0].get_legend_handles_labels()[0]:
+            figure.axes[0].legend(fontsize=7)
         figure.tight_layout()
         figure.savefig(output / name, dpi=120)
         plt.close(figure)
     return list(figures)
+
+
+def _paired_figure(grouped: dict[str, list[dict]], reference: str, metric: str):
+    """Each seed's final `metric` minus the reference's on the same seed, one column per variant."""
+    baseline = {run["seed"]: run["metrics"][metric] for run in grouped[reference]}
+    others = [variant for variant in grouped if variant != reference]
+    figure, axis = plt.subplots(figsize=(max(4, 1.2 * len(others) + 2), 4))
+    for index, variant in enumerate(others):
+        differences = [run["metrics"][metric] - baseline[run["seed"]] for run in grouped[variant] if run["seed"] in baseline]
+        offsets = np.linspace(-0.15, 0.15, len(differences)) if len(differences) > 1 else [0.0]
+        axis.scatter(index + np.asarray(offsets), differences, color=f"C{list(grouped).index(variant)}", zorder=3)
+        if differences:
+            axis.hlines(np.mean(differences), index - 0.25, index + 0.25, color="black")
+    axis.axhline(0.0, color="grey", linewidth=0.8)
+    axis.set_xticks(range(len(others)), others, rotation=30, ha="right", fontsize=8)
+    axis.set(ylabel=f"{metric} − {reference}'s (same seed)", title=f"Per-seed differences from {reference} (bar: mean)")
+    return figure
+
+
+def _search_figure(search: dict):
+    """The development score of every grid point, one heat-map per searched variant (chosen point boxed)."""
+    variants = search["variants"]
+    figure, axes = plt.subplots(1, len(variants), figsize=(3.2 * len(variants) + 1, 3.2), squeeze=False)
+    for axis, (variant, found) in zip(axes[0], variants.items()):
+        rates = sorted({p["learning_rate"] for p in found["points"]})
+        warmups = sorted({p["warmup_ratio"] for p in found["points"]})
+        scores = np.full((len(warmups), len(rates)), np.nan)
+        for point in found["points"]:
+            scores[warmups.index(point["warmup_ratio"]), rates.index(point["learning_rate"])] = point["dev_score"]
+        image = axis.imshow(scores, cmap="viridis_r" if found["metric"] == "loss" else "viridis", aspect="auto")
+        for row, column in np.ndindex(scores.shape):
+            axis.text(column, row, f"{scores[row, column]:.3f}", ha="center", va="center", color="white", fontsize=8)
+        chosen = found["chosen"]
+        row, column = warmups.index(chosen["warmup_ratio"]), rates.index(chosen["learning_rate"])
+        axis.add_patch(plt.Rectangle((column - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+        axis.set_xticks(range(len(rates)), [f"{r:g}" for r in rates], fontsize=8)
+        axis.set_yticks(range(len(warmups)), [f"{w:g}" for w in warmups], fontsize=8)
+        axis.set(xlabel="learning rate", ylabel="warm-up ratio", title=f"{variant}: dev {found['metric']}")
+        figure.colorbar(image, ax=axis, fraction=0.046)
+    return figure

@@ -1,31 +1,21 @@
-"""The comparison report: statistics over seeds, failed runs, per-run configurations; markdown and JSON."""
+"""The comparison report: statistics over seeds, paired differences, the settings search, failed runs, per-run
+configurations; markdown and JSON."""
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
-import numpy as np
-from scipy import stats
-
 from .plots import write_plots
+from .statistics import describe, paired_difference, summarize
 
 
-def summarize(values: list[float]) -> dict:
-    """Mean, sample standard deviation and the 95% Student-t confidence interval of the mean."""
-    values = [float(v) for v in values]
-    mean = float(np.mean(values))
-    if len(values) < 2:
-        return {"n": len(values), "mean": mean, "std": None, "ci95": None}
-    std = float(np.std(values, ddof=1))
-    half = float(stats.t.ppf(0.975, len(values) - 1) * std / math.sqrt(len(values)))
-    return {"n": len(values), "mean": mean, "std": std, "ci95": [mean - half, mean + half]}
+_TIMINGS = ("loss", "runtime", "samples_per_second", "steps_per_second")
 
 
-def write_report(output: Path, experiment, task, results: list[dict]) -> dict:
+def write_report(output: Path, experiment, task, results: list[dict], search: dict | None = None) -> dict:
     """Writes report.md, results.json and the plots into `output`; returns what results.json holds."""
     variants = list(dict.fromkeys(result["variant"] for result in results))
-    metric_names = [name for name in results[0]["metrics"] if name not in ("loss", "runtime", "samples_per_second", "steps_per_second")]
+    metric_names = [name for name in results[0]["metrics"] if name not in _TIMINGS]
     summary = {}
     for variant in variants:
         runs = [r for r in results if r["variant"] == variant]
@@ -33,17 +23,34 @@ def write_report(output: Path, experiment, task, results: list[dict]) -> dict:
             "metrics": {name: summarize([r["metrics"][name] for r in runs]) for name in ["loss", *metric_names]},
             "failed_runs": sum(r["failed"] for r in runs),
             "runs": len(runs),
+            "settings": runs[0]["point"],
         }
+    reference = experiment.reference_variant
+    paired = {}
+    for variant in variants:
+        if variant == reference:
+            continue
+        paired[variant] = {}
+        for name in ["loss", *metric_names]:
+            by_seed = {v: {r["seed"]: r["metrics"][name] for r in results if r["variant"] == v} for v in (reference, variant)}
+            difference = paired_difference(by_seed[reference], by_seed[variant])
+            paired[variant][name] = {**difference, "sentence": describe(variant, reference, name, difference)}
+    if experiment.task_type == "causal-lm":
+        task_info = {"name": task.name, "type": "causal-lm", "metric": "perplexity", "unigram_loss": task.unigram_loss}
+    else:
+        task_info = {"name": task.name, "metric": task.metric, "majority_baseline": task.majority_baseline}
+    task_info.update(train_size=len(task.data["train"]), validation_size=len(task.data["validation"]))
     document = {
         "experiment": dataclasses.asdict(experiment),
-        "task": {"name": task.name, "metric": task.metric, "train_size": len(task.data["train"]),
-                 "validation_size": len(task.data["validation"]), "majority_baseline": task.majority_baseline},
+        "task": task_info,
+        "search": search,
         "summary": summary,
+        "paired": {"reference": reference, "variants": paired},
         "runs": results,
     }
     output.mkdir(parents=True, exist_ok=True)
     (output / "results.json").write_text(json.dumps(document, indent=1) + "\n")
-    plots = write_plots(output, results)
+    plots = write_plots(output, results, reference, search)
     (output / "report.md").write_text(_markdown(document, metric_names, plots))
     return document
 
@@ -55,29 +62,45 @@ def _cell(summary: dict) -> str:
     return f"{summary['mean']:.4f} ± {summary['std']:.4f} [{low:.4f}, {high:.4f}]"
 
 
+def _settings(point: dict) -> str:
+    return f"lr {point['learning_rate']:g}, warm-up {point['warmup_ratio']:g}"
+
+
 def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
-    experiment, task = document["experiment"], document["task"]
+    experiment, task, search = document["experiment"], document["task"], document["search"]
+    length = f"{experiment['max_steps']} steps" if experiment["max_steps"] > 0 else f"{experiment['epochs']} epochs"
+    if search:
+        settings = "settings chosen per variant on a development split (below)"
+    else:
+        settings = f"learning rate {experiment['learning_rate']}, warm-up ratio {experiment['warmup_ratio']}"
+    if task.get("type") == "causal-lm":
+        failure = (f"A run has failed when its final validation loss is no better than that of the training tokens' "
+                   f"frequencies (unigram loss {task['unigram_loss']:.4f}) or is not finite.")
+    else:
+        failure = (f"A run has failed when its final {task['metric']} metric is no better than the majority-class "
+                   f"baseline ({task['majority_baseline']:.4f}; Mosbach et al. 2021).")
     lines = [
         "# NormSwap comparison",
         "",
-        f"Model `{experiment['model'] or 'all-MiniLM-L6-v2 (demo)'}`, task `{task['name']}` "
-        f"({task['train_size']} training / {task['validation_size']} validation examples), "
-        f"{experiment['seeds']} seed(s), learning rate {experiment['learning_rate']}, batch {experiment['batch_size']}, "
-        f"max length {experiment['max_length']}, "
-        + (f"{experiment['max_steps']} steps" if experiment["max_steps"] > 0 else f"{experiment['epochs']} epochs")
-        + f", warm-up ratio {experiment['warmup_ratio']}.",
+        f"Model `{experiment['model'] or 'all-MiniLM-L6-v2 (demo)'}`, task `{task['name']}`"
+        + (" (causal language modelling)" if task.get("type") == "causal-lm" else "")
+        + f" ({task['train_size']} training / {task['validation_size']} validation examples), "
+        f"{experiment['seeds']} seed(s), {settings}, batch {experiment['batch_size']}, "
+        f"max length {experiment['max_length']}, {length}.",
         "",
-        "Every variant of a seed sees the same data in the same order and starts from the same classification head. "
-        "Cells: mean ± standard deviation over seeds [95% confidence interval, Student t]. A run has failed when its "
-        f"final {task['metric']} metric is no better than the majority-class baseline "
-        f"({task['majority_baseline']:.4f}; Mosbach et al. 2021).",
+        "Every variant of a seed sees the same data in the same order and starts from the same head. "
+        f"Cells: mean ± standard deviation over seeds [95% confidence interval, Student t]. {failure}",
         "",
-        "| variant | " + " | ".join(["eval loss", *metric_names]) + " | failed runs |",
-        "|---|" + "---|" * (len(metric_names) + 2),
+        "| variant | settings | " + " | ".join(["eval loss", *metric_names]) + " | failed runs |",
+        "|---|---|" + "---|" * (len(metric_names) + 2),
     ]
     for variant, summary in document["summary"].items():
         cells = [_cell(summary["metrics"][name]) for name in ["loss", *metric_names]]
-        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {summary['failed_runs']} / {summary['runs']} |")
+        lines.append(f"| {variant} | {_settings(summary['settings'])} | " + " | ".join(cells)
+                     + f" | {summary['failed_runs']} / {summary['runs']} |")
+    lines += _paired_markdown(document["paired"], metric_names)
+    if search:
+        lines += _search_markdown(search)
     lines += ["", "## Plots", ""]
     lines += [f"![{name}]({name})" for name in plots]
     lines += ["", "## Runs", "", "| variant | seed | " + " | ".join(metric_names) + " | resumed |", "|---|---|" + "---|" * (len(metric_names) + 1)]
@@ -92,3 +115,49 @@ def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
                   json.dumps({"model": model, "training": training}, indent=1), "```", "", "</details>", ""]
     lines.append("Full model configurations, training arguments and every logged step are in `results.json`.")
     return "\n".join(lines) + "\n"
+
+
+def _paired_markdown(paired: dict, metric_names: list[str]) -> list[str]:
+    if not paired["variants"]:
+        return []
+    lines = [
+        "",
+        f"## Paired differences from {paired['reference']}",
+        "",
+        "Each seed's score minus the reference's score on the same seed (same data order, same head): mean with the "
+        "95% paired-t confidence interval, and the two-sided exact sign-test p-value.",
+        "",
+    ]
+    main = metric_names[0]
+    lines += [f"- {paired['variants'][variant][main]['sentence']}." for variant in paired["variants"]]
+    lines += ["", "| variant | metric | per-seed differences | mean [95% CI] | sign-test p |", "|---|---|---|---|---|"]
+    for variant, by_metric in paired["variants"].items():
+        for name in ["loss", *metric_names]:
+            difference = by_metric[name]
+            values = ", ".join(f"{d:+.4f}" for d in difference["differences"])
+            interval = f" [{difference['ci95'][0]:+.4f}, {difference['ci95'][1]:+.4f}]" if difference["ci95"] else ""
+            mean = f"{difference['mean']:+.4f}{interval}" if difference["n"] else "-"
+            lines.append(f"| {variant} | {name} | {values} | {mean} | {difference['sign_test_p']:.3g} |")
+    return lines
+
+
+def _search_markdown(search: dict) -> list[str]:
+    split = search["dev_split"]
+    lines = [
+        "",
+        "## Settings search",
+        "",
+        f"Each variant trained at every grid point on the training data less a development split "
+        f"({split['fraction']:g} of it, {split['size']} examples, carved with seed {split['seed']}); every seed then "
+        "ran at the point that scored best on the development split, and was evaluated on validation. The validation "
+        "split played no part in the choice.",
+        "",
+        "| variant | metric | " + " | ".join(["learning rate", "warm-up", "development score", "chosen"]) + " |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant, found in search["variants"].items():
+        for point in found["points"]:
+            chosen = all(point[k] == v for k, v in found["chosen"].items())
+            lines.append(f"| {variant} | {found['metric']} | {point['learning_rate']:g} | {point['warmup_ratio']:g} | "
+                         f"{point['dev_score']:.4f} | {'**yes**' if chosen else ''} |")
+    return lines

@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from datasets import ClassLabel, DatasetDict, load_dataset
 
 
@@ -18,6 +19,7 @@ class Task:
     text_columns: tuple[str, ...]
     metric: str  # GLUE configuration name for the metric, e.g. "sst2"
     num_labels: int
+    unigram_loss: float | None = None  # language modelling: the validation loss of training-token frequencies
 
     @property
     def majority_baseline(self) -> float:
@@ -29,15 +31,16 @@ class Task:
 def load_task(
     task: str,
     text_columns: tuple[str, ...] | None = None,
-    label_column: str = "label",
+    label_column: str | None = "label",
     data_dir: str | None = None,
 ) -> Task:
     """Loads `task`: a GLUE name (`sst2`, `rte`), `sst2-sample` (704 SST-2 training and 436 validation
     sentences, shipped with the package), or a path to a CSV / JSON-lines file or a folder of them.
 
     GLUE tasks come from `data_dir` (default: the `HF_NORMSWAP_GLUE_DIR` environment variable) when given, else from
-    the datasets hub.
+    the datasets hub. Without `label_column` (language modelling) only the text is kept.
     """
+    text_only = label_column is None
     if task == "sst2-sample":
         data, metric = _local(SAMPLE_DIR / "sst2"), "sst2"
         text_columns, label_column = GLUE_TASKS["sst2"][:1], "label"
@@ -55,9 +58,12 @@ def load_task(
     for split in ("train", "validation"):
         if len(data[split]) == 0:
             raise ValueError(f"task {task!r}: the {split} split is empty")
-        for column in (*text_columns, label_column):
+        for column in text_columns if text_only else (*text_columns, label_column):
             if column not in data[split].column_names:
                 raise ValueError(f"task {task!r}: no column {column!r} in {split}; columns: {data[split].column_names}")
+    if text_only:
+        data = data.remove_columns([c for c in data["train"].column_names if c not in text_columns])
+        return Task(Path(task).stem, data, tuple(text_columns), metric, 0)
     if label_column != "label":
         data = data.rename_column(label_column, "label")
     if data["train"].features["label"].dtype == "string":  # one id per name, the same in both splits
@@ -66,6 +72,15 @@ def load_task(
     num_labels = len(set(data["train"]["label"]) | set(data["validation"]["label"]))
     data = data.remove_columns([c for c in data["train"].column_names if c not in (*text_columns, "label")])
     return Task(Path(task).stem, data, tuple(text_columns), metric, num_labels)
+
+
+def unigram_loss(train_ids: list[list[int]], validation_ids: list[list[int]], vocab_size: int) -> float:
+    """Cross-entropy on the validation targets (every token after the first) of the training tokens' frequencies
+    (add-one smoothed): what a causal LM that ignores context reaches."""
+    counts = np.bincount(np.concatenate([np.asarray(ids[1:], dtype=np.int64) for ids in train_ids]), minlength=vocab_size)
+    counts = counts + 1.0
+    targets = np.concatenate([np.asarray(ids[1:], dtype=np.int64) for ids in validation_ids])
+    return float(-np.log(counts[targets] / counts.sum()).mean())
 
 
 def _glue(task: str, data_dir: str | None) -> DatasetDict:

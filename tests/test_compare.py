@@ -1,5 +1,7 @@
 import json
 import os
+import shutil
+from pathlib import Path
 import subprocess
 import sys
 
@@ -55,7 +57,7 @@ def test_report_schema_reproduction_and_diagnostics(tmp_path, bert_source):
     for name in ("report.md", "results.json", "loss.png", "eval_metric.png", "grad_norm_init.png", "residual_rms.png"):
         assert (output / name).stat().st_size > 0, name
     saved = json.loads((output / "results.json").read_text())
-    assert set(saved) == {"experiment", "task", "summary", "runs"}
+    assert set(saved) == {"experiment", "task", "search", "summary", "paired", "runs"} and saved["search"] is None
     assert set(saved["summary"]) == {"native", "post", "pre"}
     for summary in saved["summary"].values():
         accuracy = summary["metrics"]["accuracy"]
@@ -64,10 +66,23 @@ def test_report_schema_reproduction_and_diagnostics(tmp_path, bert_source):
         assert 0 <= summary["failed_runs"] <= summary["runs"] == 2
     assert len(saved["runs"]) == 6 and saved == json.loads(json.dumps(document))
     report = (output / "report.md").read_text()
-    assert "| variant | eval loss | accuracy | failed runs |" in report and "| post |" in report
+    assert "| variant | settings | eval loss | accuracy | failed runs |" in report and "| post | lr 0.001, warm-up 0 |" in report
+
+    # Paired differences from the reference (the first variant), seed by seed.
+    runs = {(run["variant"], run["seed"]): run for run in saved["runs"]}
+    assert saved["paired"]["reference"] == "native" and set(saved["paired"]["variants"]) == {"post", "pre"}
+    paired = saved["paired"]["variants"]["pre"]["accuracy"]
+    expected = [runs["pre", seed]["metrics"]["accuracy"] - runs["native", seed]["metrics"]["accuracy"] for seed in (0, 1)]
+    assert paired["seeds"] == [0, 1] and paired["differences"] == pytest.approx(expected, abs=1e-12)
+    assert paired["sentence"] in report and "## Paired differences from native" in report
+    assert (output / "paired_differences.png").stat().st_size > 0
+
+    # Each run is named variant-seedN for the experiment trackers; none is used by default.
+    for (variant, seed), run in runs.items():
+        assert run["training_arguments"]["run_name"] == f"{variant}-seed{seed}"
+        assert run["training_arguments"]["report_to"] == []
 
     # The post variant of a converted BERT reproduces the native BertForSequenceClassification run.
-    runs = {(run["variant"], run["seed"]): run for run in saved["runs"]}
     for seed in (0, 1):
         native, post = runs["native", seed], runs["post", seed]
         native_losses = [entry["loss"] for entry in native["log_history"] if "loss" in entry]
@@ -145,6 +160,22 @@ def test_experiment_file_and_random_init_config(tmp_path):
         (["--label-column", "stars"], "no column 'stars'"),
         (["--seeds", "0"], "seeds=0 is invalid"),
         (["--warmup-ratio", "5"], "warmup_ratio=5.0 is invalid"),
+        (["--max-length", "0"], "max_length=0 is invalid"),
+        (["--learning-rate", "0"], "learning_rate=0.0 is invalid"),
+        (["--batch-size", "0"], "batch_size=0 is invalid"),
+        (["--epochs", "0"], "epochs=0.0 is invalid"),
+        (["--logging-steps", "0"], "logging_steps=0 is invalid"),
+        (["--learning-rates", "1e-5,abc"], "learning_rates: 'abc' is not a number"),
+        (["--learning-rates", "1e-5,-1"], "learning_rates=-1.0 is invalid"),
+        (["--warmup-ratios", "0,1.5"], "warmup_ratios=1.5 is invalid"),
+        (["--warmup-ratios", "0,0"], "warmup_ratios=[0.0, 0.0] is invalid: a value is repeated"),
+        (["--variants", "post,pre@warmup_ratio=x"], "variant 'pre@warmup_ratio=x': warmup_ratio: 'x' is not a number"),
+        (["--variants", "post,pre@steps=3"], "after '@' comes field=value"),
+        (["--reference", "deepnorm"], "reference='deepnorm' is invalid"),
+        (["--task-type", "translation"], "task_type='translation' is invalid"),
+        (["--report-to", "mlflow"], "report_to='mlflow' is invalid"),
+        (["--dev-fraction", "1"], "dev_fraction=1.0 is invalid"),
+        (["--max-steps", "0"], "max_steps=0 is invalid"),
     ],
 )
 def test_bad_inputs_give_one_line_errors(tmp_path, bert_source, capsys, arguments, message):
@@ -153,7 +184,51 @@ def test_bad_inputs_give_one_line_errors(tmp_path, bert_source, capsys, argument
     capsys.readouterr()
     assert cli(base + arguments) == 1
     error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and message in error, error
+    assert len(error.splitlines()) == 1 and message in error and len(error) < 200, error
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_bad_values_in_experiment_files(tmp_path, capsys):
+    for text, message in (
+        ("learning_rates: [1.0e-5, fast]\n", "learning_rates: 'fast' is not a number"),
+        ("warmup_ratios: 0.1\n", "warmup_ratios=0.1 is invalid: expected list"),
+        ("learning_rate: 1e-5\nmax_length: 0\n", "max_length=0 is invalid"),  # YAML reads 1e-5 as text: accepted
+        ("report_to: [none, tensorboard, mlflow]\n", "report_to="),
+    ):
+        (tmp_path / "bad.yaml").write_text(text)
+        capsys.readouterr()
+        assert cli(["compare", "--config", str(tmp_path / "bad.yaml"), "--output", str(tmp_path / "out")]) == 1
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and message in error and len(error) < 200, error
+    assert not (tmp_path / "out").exists()
+
+
+def test_unparsable_options_give_one_line(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli(["compare", "--max-length", "many"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip() == "hf-normswap compare: error: argument --max-length: invalid int value: 'many'"
+
+
+class Payload:
+    """Not a tensor: unpickling it would construct an arbitrary object."""
+
+
+def test_pickles_are_refused_or_read_as_plain_weights(tmp_path, bert_source, capsys):
+    folder = tmp_path / "pickled"
+    shutil.copytree(bert_source, folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"bert.embeddings.word_embeddings.weight": Payload()}, folder / "pytorch_model.bin")
+    base = ["compare", "--model", str(folder), "--task", str(tiny_task(tmp_path / "task")), "--text-columns", "text",
+            "--output", str(tmp_path / "out")]
+    capsys.readouterr()
+    assert cli(base) == 1
+    error = capsys.readouterr().err.strip()
+    assert "only pickle weights (pytorch_model.bin)" in error and "--allow-pickle" in error and len(error.splitlines()) == 1
+    assert cli([*base, "--allow-pickle"]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error == "hf-normswap compare: error: pytorch_model.bin is not a plain weights file (it would run code when loaded)"
+    assert not (tmp_path / "out").exists()
 
 
 def test_empty_dataset_is_refused(tmp_path, bert_source, capsys):
@@ -226,3 +301,58 @@ def test_experiment_file_values_are_checked(tmp_path, capsys):
     capsys.readouterr()
     assert cli(["compare", "--config", str(tmp_path / "bad.yaml")]) == 1
     assert "seeds='2' is invalid: expected int" in capsys.readouterr().err
+
+
+def test_settings_search_scores_on_the_development_split_never_validation(tmp_path, bert_source, monkeypatch):
+    """The training labels (hence the development split's) are the validation labels flipped, so what scores best on
+    the development split scores worst on validation: the search must follow the development split."""
+    task = tiny_task(tmp_path / "flipped", rows=64)
+    rows = [json.loads(line) for line in (task / "train.jsonl").read_text().splitlines()]
+    (task / "train.jsonl").write_text("".join(json.dumps({**row, "label": 1 - row["label"]}) + "\n" for row in rows))
+    evaluated = []
+
+    class Recording(Trainer):
+        def evaluate(self, *args, **kwargs):
+            evaluated.append((Path(self.args.output_dir).parent.name, sorted(self.eval_dataset["input_ids"])))
+            return super().evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(compare, "Trainer", Recording)
+    document = run_comparison(experiment(
+        tmp_path, bert_source, task=str(task), variants=["post"], seeds=1, epochs=3,
+        learning_rates=["1e-7", 1e-2], warmup_ratios=[0.0, 0.1], dev_fraction=0.25,
+    ))
+    search = document["search"]
+    assert search["dev_split"] == {"fraction": 0.25, "size": 16, "seed": 0}
+    post = search["variants"]["post"]
+    assert post["metric"] == "accuracy" and len(post["points"]) == 4
+    scores = {(p["learning_rate"], p["warmup_ratio"]): p["dev_score"] for p in post["points"]}
+    assert min(scores[1e-2, 0.0], scores[1e-2, 0.1]) > max(scores[1e-7, 0.0], scores[1e-7, 0.1])
+    assert post["chosen"]["learning_rate"] == 1e-2
+
+    runs = {run["variant"]: run for run in document["runs"]}
+    assert runs["post"]["point"] == post["chosen"] and runs["post"]["training_arguments"]["learning_rate"] == 1e-2
+    assert runs["post"]["metrics"]["accuracy"] < 0.5 < post["points"][2]["dev_score"]  # validation disagrees
+
+    # Search runs were scored on 16 training examples only; validation scored the final runs only.
+    validation = sorted(compare.AutoTokenizer.from_pretrained(bert_source)([json.loads(line)["text"] for line in (task / "validation.jsonl").read_text().splitlines()])["input_ids"])
+    assert [folder for folder, _ in evaluated].count("search") == 4 * 3  # 4 grid points, 3 epochs
+    for folder, inputs in evaluated:
+        assert len(inputs) == 16 and (inputs == validation) == (folder == "runs")
+
+    output = tmp_path / "comparison"
+    assert len(list((output / "search").glob("*/result.json"))) == 4
+    report = (output / "report.md").read_text()
+    assert "## Settings search" in report and "| post | accuracy | 0.01 | 0 |" in report
+    assert (output / "grid_search.png").stat().st_size > 0
+
+
+def test_variants_pin_settings_and_the_grid_spans_the_rest():
+    grid = Experiment(variants=["post", "pre@learning_rate=1e-2", "sandwich@warmup_ratio=0.1@learning_rate=3e-4"],
+                      learning_rates=[1e-5, 3e-5], warmup_ratios=[0.0, 0.1])
+    grid.validate()
+    assert grid.grid("post") == [{"learning_rate": lr, "warmup_ratio": wr} for lr in (1e-5, 3e-5) for wr in (0.0, 0.1)]
+    assert grid.grid("pre@learning_rate=1e-2") == [{"learning_rate": 1e-2, "warmup_ratio": wr} for wr in (0.0, 0.1)]
+    assert grid.grid("sandwich@warmup_ratio=0.1@learning_rate=3e-4") == [{"learning_rate": 3e-4, "warmup_ratio": 0.1}]
+    single = Experiment(learning_rate=1e-4, warmup_ratio=0.1)
+    assert single.grid("post") == [{"learning_rate": 1e-4, "warmup_ratio": 0.1}]  # no search: today's behaviour
+    assert single.reference_variant == "post" and Experiment(reference="pre").reference_variant == "pre"
