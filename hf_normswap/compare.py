@@ -158,7 +158,7 @@ def _prepare_variant(model: str, variant: str, from_config: bool, task, experime
             norm_placement=placement,
             position_embedding_type=position,
             norm_mapping=experiment.norm_mapping,
-            attention="causal" if causal else "bidirectional",
+            attention="causal" if causal else None,  # None: bidirectional, or a NormSwap source's own
             head="causal-lm" if causal else "sequence-classification",
             overwrite=True,
             allow_pickle=experiment.allow_pickle,

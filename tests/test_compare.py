@@ -356,3 +356,25 @@ def test_variants_pin_settings_and_the_grid_spans_the_rest():
     single = Experiment(learning_rate=1e-4, warmup_ratio=0.1)
     assert single.grid("post") == [{"learning_rate": 1e-4, "warmup_ratio": 0.1}]  # no search: today's behaviour
     assert single.reference_variant == "post" and Experiment(reference="pre").reference_variant == "pre"
+
+
+def test_a_normswap_checkpoint_compares_as_swaps_of_itself(tmp_path, bert_source):
+    """A NormSwap folder (here a pre-LN conversion of BERT) as --model: `native` is the folder itself, `pre` is an
+    unswapped copy that reproduces it, `post` a swap of it that records where it came from."""
+    from hf_normswap import convert_checkpoint
+
+    convert_checkpoint(bert_source, str(tmp_path / "bert-pre"), norm_placement="pre", head="sequence-classification", log=lambda line: None)
+    document = run_comparison(experiment(tmp_path, str(tmp_path / "bert-pre"), variants=["native", "pre", "post"], seeds=1, epochs=1))
+    runs = {run["variant"]: run for run in document["runs"]}
+    assert runs["native"]["model_config"]["model_type"] == "normswap"
+    assert runs["native"]["model_config"]["norm_placement"] == runs["pre"]["model_config"]["norm_placement"] == "pre"
+    assert runs["post"]["model_config"]["norm_placement"] == "post"
+    native_losses = [entry["loss"] for entry in runs["native"]["log_history"] if "loss" in entry]
+    pre_losses = [entry["loss"] for entry in runs["pre"]["log_history"] if "loss" in entry]
+    assert len(native_losses) == len(pre_losses) >= 2
+    assert max(abs(a - b) for a, b in zip(native_losses, pre_losses)) <= 1e-5
+    assert native_losses != [entry["loss"] for entry in runs["post"]["log_history"] if "loss" in entry]
+    conversion = json.loads((tmp_path / "comparison" / "variants" / "post" / "conversion.json").read_text())
+    assert conversion["source"]["id"] == str(tmp_path / "bert-pre")
+    assert [step["target_config"]["norm_placement"] for step in conversion["lineage"]] == ["pre"]
+    assert conversion["target_config"]["norm_placement"] == "post"
