@@ -30,7 +30,7 @@ from .experiment import Experiment, parse_variant, split_variant
 from .metrics import load_metric
 from .modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
 from .report import write_report
-from .search import choose, dev_split
+from .search import DEV_SEED, choose, dev_split
 from .tasks import load_task, unigram_loss
 
 
@@ -66,24 +66,12 @@ def run_comparison(experiment: Experiment) -> dict | None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     runner = _Runner(experiment, task, tokenizer, state)
     searched = [variant for variant in experiment.variants if len(experiment.grid(variant)) > 1]
-    if searched:
-        search_train, dev = dev_split(runner.encoded["train"], experiment.dev_fraction)
+    split = dev_split(runner.encoded["train"], experiment.dev_fraction) if searched else None
     with state.main_process_first():
         _claim_output(output, experiment)
         sources = {variant: _prepare_variant(model, variant, from_config, task, experiment, output) for variant in experiment.variants}
 
-    search = {}
-    if searched:
-        grid_runs = [(v, point, seed) for seed in range(experiment.search_seeds) for v in searched for point in experiment.grid(v)]
-        results = []
-        for variant, point, seed in tqdm(grid_runs, desc="settings search", disable=not state.is_main_process):
-            name = f"{_folder(variant)}-lr{point['learning_rate']:g}-warmup{point['warmup_ratio']:g}-seed{seed}"
-            results.append(runner.run(sources[variant], variant, seed, point, search_train, dev, output / "search" / name))
-        for variant in searched:
-            found = choose(experiment.grid(variant), [r for r in results if r["variant"] == variant], runner.selection_metric)
-            search[variant] = found
-        search = {"dev_split": {"fraction": experiment.dev_fraction, "size": len(dev), "seed": 0}, "variants": search}
-
+    search = _search(runner, sources, searched, split, output) if searched else None
     runs = [(variant, seed) for seed in range(experiment.seeds) for variant in experiment.variants]
     results = []
     for variant, seed in tqdm(runs, desc="runs", disable=not state.is_main_process):
@@ -92,7 +80,25 @@ def run_comparison(experiment: Experiment) -> dict | None:
         results.append(runner.run(sources[variant], variant, seed, point, runner.encoded["train"], runner.encoded["validation"], run_dir))
     if not state.is_main_process:
         return None
-    return write_report(output, experiment, task, results, search=search or None)
+    return write_report(output, experiment, task, results, search=search)
+
+
+def _search(runner: "_Runner", sources: dict, variants: list[str], split: tuple, output: Path) -> dict:
+    """Trains each variant at every point of its grid on the training data less the development split, and scores
+    it there; returns the grid's scores and each variant's best point."""
+    experiment, (train, dev) = runner.experiment, split
+    grid_runs = [(v, point, seed) for seed in range(experiment.search_seeds) for v in variants for point in experiment.grid(v)]
+    results = []
+    for variant, point, seed in tqdm(grid_runs, desc="settings search", disable=not runner.state.is_main_process):
+        name = f"{_folder(variant)}-lr{point['learning_rate']:g}-warmup{point['warmup_ratio']:g}-seed{seed}"
+        results.append(runner.run(sources[variant], variant, seed, point, train, dev, output / "search" / name))
+    return {
+        "dev_split": {"fraction": experiment.dev_fraction, "size": len(dev), "seed": DEV_SEED},
+        "variants": {
+            variant: choose(experiment.grid(variant), [r for r in results if r["variant"] == variant], runner.selection_metric)
+            for variant in variants
+        },
+    }
 
 
 def _folder(variant: str) -> str:

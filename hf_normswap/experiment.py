@@ -58,7 +58,7 @@ class Experiment:
         """An experiment from a YAML or JSON file, or the name of one shipped with the package (`stability`);
         `overrides` (not None) take precedence."""
         path = Path(path)
-        if not path.exists() and (EXPERIMENTS_DIR / f"{path}.yaml").is_file():
+        if not path.is_file() and (EXPERIMENTS_DIR / f"{path}.yaml").is_file():
             path = EXPERIMENTS_DIR / f"{path}.yaml"
         try:
             fields = yaml.safe_load(path.read_text()) or {}

@@ -35,3 +35,11 @@ def test_the_shipped_stability_experiment_loads_by_name_and_runs(tmp_path):
     report = (tmp_path / "out" / "report.md").read_text()
     assert "(causal language modelling)" in report and "| deepnorm@warmup_ratio=0.1 | lr 0.001, warm-up 0.1 |" in report
     assert (tmp_path / "out" / "grad_norm_init.png").stat().st_size > 0
+
+
+def test_a_shipped_experiment_is_found_by_name_beside_a_folder_of_that_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stability").mkdir()  # e.g. an earlier output folder
+    assert Experiment.from_file("stability").task_type == "causal-lm"
+    (tmp_path / "mine.yaml").write_text("seeds: 2\n")
+    assert Experiment.from_file("mine.yaml").seeds == 2
