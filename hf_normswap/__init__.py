@@ -16,6 +16,7 @@ from .modeling_normswap import (
     NormSwapModel,
     NormSwapPreTrainedModel,
 )
+from .packing import DataCollatorWithPacking
 
 
 AutoConfig.register(NormSwapConfig.model_type, NormSwapConfig)
@@ -24,6 +25,7 @@ for _head, _model_class in HEAD_CLASSES.items():
 
 __all__ = [
     "convert_checkpoint",
+    "DataCollatorWithPacking",
     "NormSwapConfig",
     "mix_ln_placement",
     "NormSwapPreTrainedModel",

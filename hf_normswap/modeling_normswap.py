@@ -7,7 +7,12 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import (
+    create_bidirectional_mask,
+    create_causal_mask,
+    find_packed_sequence_indices,
+    packed_sequence_mask_function,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -132,6 +137,70 @@ def alibi_attention_mask(
     if attention_mask.dtype == torch.bool:
         return bias.masked_fill(~attention_mask, torch.finfo(dtype).min)
     return (bias + attention_mask).clamp(min=torch.finfo(dtype).min)
+
+
+def packed_sequence_ids(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, seq_idx: torch.Tensor | None
+) -> torch.Tensor | None:
+    """For a packed (padding-free) batch, the sequence of every token, numbered across the batch; None otherwise.
+
+    The boundaries come from the collator: its `seq_idx` (`DataCollatorWithPacking`, or `DataCollatorWithFlattening`
+    with `return_seq_idx=True`; -1 marks padding at the end of a row) or else, for a batch without attention mask,
+    where its `position_ids` restart (`DataCollatorWithFlattening`'s default).
+    """
+    if seq_idx is not None:
+        return seq_idx
+    if attention_mask is not None or position_ids is None:
+        return None
+    in_row = find_packed_sequence_indices(position_ids)
+    if in_row is None:
+        return None
+    per_row = in_row[:, -1] + 1
+    return in_row + (per_row.cumsum(0) - per_row)[:, None]
+
+
+def positions_in_sequence(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """The index of every token within its sequence of a packed batch (0 at each sequence start)."""
+    index = torch.arange(sequence_ids.shape[-1], device=sequence_ids.device).expand_as(sequence_ids)
+    starts = torch.ones_like(sequence_ids, dtype=torch.bool)
+    starts[:, 1:] = sequence_ids[:, 1:] != sequence_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(-1).values
+
+
+def unpack_sequences(packed: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, row length, ...) packed values -> (sequences, longest, ...) in sequence order, zero past each end,
+    and the (sequences, longest) mask of real tokens: the padded layout of the same sequences."""
+    real = sequence_ids >= 0
+    sequence, position = sequence_ids[real], positions_in_sequence(sequence_ids)[real]
+    shape = (int(sequence.max()) + 1, int(position.max()) + 1)
+    unpacked = packed.new_zeros(*shape, *packed.shape[2:])
+    unpacked[sequence, position] = packed[real]
+    mask = torch.zeros(shape, dtype=torch.bool, device=packed.device)
+    mask[sequence, position] = True
+    return unpacked, mask
+
+
+def mask_padding(logits: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(batch, length, ...) logits with the dtype's minimum where a 2D `attention_mask` marks padding."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return logits
+    return logits.masked_fill(attention_mask[..., None] == 0, torch.finfo(logits.dtype).min)
+
+
+def next_token_labels(labels: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """The causal-LM targets of a packed batch: each token's next label within its own sequence, -100 at its end."""
+    same_sequence = sequence_ids[:, 1:] == sequence_ids[:, :-1]
+    return nn.functional.pad(labels[:, 1:].masked_fill(~same_sequence, -100), (0, 1), value=-100)
+
+
+def flash_varlen_kwargs(sequence_ids: torch.Tensor) -> dict:
+    """The cumulative sequence lengths flash-attention's varlen kernels take, over the flattened packed batch."""
+    flat = sequence_ids.reshape(-1)
+    starts = torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1
+    ends = torch.tensor([0, flat.numel()], device=flat.device)
+    cu_seq_lens = torch.cat([ends[:1], starts, ends[1:]]).to(torch.int32)
+    max_length = int(cu_seq_lens.diff().max())
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max_length, "max_length_k": max_length}
 
 
 class NormSwapEmbeddings(nn.Module):
@@ -405,20 +474,28 @@ class NormSwapModel(NormSwapPreTrainedModel):
     ) -> BaseModelOutput:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if position_ids is None:
-            inputs = input_ids if inputs_embeds is None else inputs_embeds
+        inputs = input_ids if inputs_embeds is None else inputs_embeds
+        if position_ids is not None:
+            position_ids = position_ids.expand(inputs.shape[0], -1)
+        sequence_ids = packed_sequence_ids(attention_mask, position_ids, kwargs.get("seq_idx"))
+        if position_ids is None and sequence_ids is not None:
+            position_ids = positions_in_sequence(sequence_ids)
+        elif position_ids is None:
             position_ids = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
+        if sequence_ids is not None and "flash" in self.config._attn_implementation and "cu_seq_lens_q" not in kwargs:
+            kwargs.update(flash_varlen_kwargs(sequence_ids))
 
         hidden_states = self.embeddings(input_ids, inputs_embeds, token_type_ids, position_ids)
-        attention_mask = self._attention_mask(hidden_states, attention_mask, position_ids)
+        attention_mask = self._attention_mask(hidden_states, attention_mask, position_ids, sequence_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
 
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask, position_embeddings, **kwargs)
         return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
 
-    def _attention_mask(self, inputs_embeds, attention_mask, position_ids):
-        """The attention-implementation-specific mask, with ALiBi's bias folded in when configured."""
+    def _attention_mask(self, inputs_embeds, attention_mask, position_ids, sequence_ids):
+        """The attention-implementation-specific mask: block-diagonal over the sequences of a packed batch (a
+        document mask for flex attention), with ALiBi's bias folded in when configured."""
         alibi = self.config.position_embedding_type == "alibi"
         if alibi and self.config._attn_implementation not in ("eager", "sdpa"):
             raise ValueError(
@@ -426,8 +503,10 @@ class NormSwapModel(NormSwapPreTrainedModel):
                 f"got {self.config._attn_implementation!r}."
             )
         mask_kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
+        if sequence_ids is not None:
+            mask_kwargs["and_mask_function"] = packed_sequence_mask_function(sequence_ids)
         if self.config.is_causal:
-            mask = create_causal_mask(**mask_kwargs, past_key_values=None, position_ids=position_ids)
+            mask = create_causal_mask(**mask_kwargs, past_key_values=None)
         else:
             mask = create_bidirectional_mask(**mask_kwargs)
         if not alibi:
@@ -532,7 +611,11 @@ class NormSwapForSequenceClassification(NormSwapPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> SequenceClassifierOutput:
         outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        pooled = self.pooler(outputs.last_hidden_state, attention_mask)
+        hidden_states = outputs.last_hidden_state
+        sequence_ids = packed_sequence_ids(attention_mask, position_ids, kwargs.get("seq_idx"))
+        if sequence_ids is not None:  # pool each sequence of a packed batch, in sequence order
+            hidden_states, attention_mask = unpack_sequences(hidden_states, sequence_ids)
+        pooled = self.pooler(hidden_states, attention_mask)
         logits = self.classifier(self.dropout(pooled))
         loss = None
         if labels is not None:
@@ -593,11 +676,16 @@ class NormSwapForQuestionAnswering(NormSwapPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> QuestionAnsweringModelOutput:
         outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
-        start_logits, end_logits = start_logits.squeeze(-1).contiguous(), end_logits.squeeze(-1).contiguous()
+        logits = self.qa_outputs(outputs.last_hidden_state)
+        sequence_ids = packed_sequence_ids(attention_mask, position_ids, kwargs.get("seq_idx"))
+        if sequence_ids is not None:  # one row of logits per sequence of a packed batch, nothing past its end
+            logits, attention_mask = unpack_sequences(logits, sequence_ids)
+            logits = mask_padding(logits, attention_mask)
+        start_logits, end_logits = (x.squeeze(-1).contiguous() for x in logits.split(1, dim=-1))
         loss = None
-        if start_positions is not None and end_positions is not None:
-            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
+        if start_positions is not None and end_positions is not None:  # padding is never an answer
+            starts, ends = (x.squeeze(-1) for x in mask_padding(logits, attention_mask).split(1, dim=-1))
+            loss = self.loss_function(starts, ends, start_positions, end_positions, **kwargs)
         return QuestionAnsweringModelOutput(
             loss=loss,
             start_logits=start_logits,
@@ -641,6 +729,9 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel):
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
+            sequence_ids = packed_sequence_ids(attention_mask, position_ids, kwargs.get("seq_idx"))
+            if sequence_ids is not None and kwargs.get("shift_labels") is None:
+                kwargs["shift_labels"] = next_token_labels(labels, sequence_ids)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
