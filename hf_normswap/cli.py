@@ -89,7 +89,7 @@ def _add_compare(commands) -> None:
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         option = f"--{field.name.replace('_', '-')}"
         if field.type is bool:
-            parser.add_argument(option, dest=field.name, action="store_const", const=True, help=f"default: {default}")
+            parser.add_argument(option, dest=field.name, action=argparse.BooleanOptionalAction, help=f"default: {default}")
         else:
             parser.add_argument(option, dest=field.name, type=_option_type(field), help=f"default: {default}")
 

@@ -29,6 +29,7 @@ from .diagnostics import DiagnosticsCallback
 from .experiment import Experiment, parse_variant, split_variant
 from .metrics import load_metric
 from .modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
+from .packing import DataCollatorWithPacking
 from .report import write_report
 from .search import DEV_SEED, choose, dev_split
 from .tasks import load_task, unigram_loss
@@ -215,6 +216,14 @@ class _Runner:
             self.collator = DataCollatorWithPadding(tokenizer)
             self.metric = load_metric(task.metric)
             self.selection_metric = "accuracy"  # what every supported task's metric reports
+        self.packing = DataCollatorWithPacking(tokenizer.pad_token_id)
+
+    def _packed(self, features: list[dict]) -> dict:
+        """The padding-free batch of `features`; for causal LM with the labels the padding collator gives them."""
+        if self.causal:
+            pad = self.tokenizer.pad_token_id
+            features = [{**f, "labels": [-100 if t == pad else t for t in f["input_ids"]]} for f in features]
+        return self.packing(features)
 
     def run(self, source: dict, variant: str, seed: int, point: dict, train, evaluation, run_dir: Path) -> dict:
         result_file = run_dir / "result.json"
@@ -262,7 +271,7 @@ class _Runner:
             args=args,
             train_dataset=train,
             eval_dataset=evaluation,
-            data_collator=self.collator,
+            data_collator=self._packed if experiment.packing and source["kind"] != "native" else self.collator,
             compute_metrics=None if self.causal else self._compute_metrics,
             callbacks=[diagnostics],
         )

@@ -52,6 +52,7 @@ class Experiment:
     norm_mapping: str = "shift"
     allow_pickle: bool = False  # accept pytorch_model.bin (read with weights_only=True)
     report_to: list[str] = dataclasses.field(default_factory=lambda: ["none"])  # tensorboard, wandb, trackio, none
+    packing: bool = False  # padding-free batches for the NormSwap variants; `native` ones keep padding
 
     @classmethod
     def from_file(cls, path: str, **overrides) -> "Experiment":
@@ -164,7 +165,7 @@ _KINDS.update({field: (int, float) for field in ("learning_rate", "epochs", "war
 _KINDS.update({field: (list,) for field in ("variants", "text_columns", "learning_rates", "warmup_ratios", "report_to")})
 _KINDS.update({field: (str,) for field in ("task", "task_type", "label_column", "output", "norm_mapping")})
 _KINDS.update({field: (str,) for field in ("model", "reference", "data_dir", "tokenizer")})
-_KINDS["allow_pickle"] = (bool,)
+_KINDS["allow_pickle"] = _KINDS["packing"] = (bool,)
 _FLOAT_FIELDS = ("learning_rate", "epochs", "warmup_ratio", "weight_decay", "dev_fraction")
 _GRID_FIELDS = ("learning_rates", "warmup_ratios")
 _RULES = {  # field: (test, what is allowed)

@@ -86,7 +86,8 @@ def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
         + (" (causal language modelling)" if task.get("type") == "causal-lm" else "")
         + f" ({task['train_size']} training / {task['validation_size']} validation examples), "
         f"{experiment['seeds']} seed(s), {settings}, batch {experiment['batch_size']}, "
-        f"max length {experiment['max_length']}, {length}.",
+        f"max length {experiment['max_length']}, {length}"
+        + (", padding-free batches (native variants padded)." if experiment.get("packing") else "."),
         "",
         "Every variant of a seed sees the same data in the same order and starts from the same head. "
         f"Cells: mean ± standard deviation over seeds [95% confidence interval, Student t]. {failure}",

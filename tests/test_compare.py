@@ -134,6 +134,25 @@ def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source,
     assert finished.stat().st_mtime == mtime  # finished runs are skipped
 
 
+def test_packing_gives_the_results_of_padding(tmp_path):
+    """--packing changes the layout of every batch, not the examples in it: the same losses, gradient norms and metrics."""
+    save_source(tmp_path / "bert", "bert", "Model", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    runs = {}
+    for packing in (False, True):
+        arguments = dict(variants=["native", "post", "pre:rope"], seeds=1, packing=packing, output=str(tmp_path / f"out-{packing}"))
+        document = run_comparison(experiment(tmp_path, str(tmp_path / "bert"), **arguments))
+        runs[packing] = {run["variant"]: run for run in document["runs"]}
+    assert json.loads((tmp_path / "out-True" / "experiment.json").read_text())["packing"] is True
+    for variant in ("native", "post", "pre:rope"):
+        padded, packed = runs[False][variant], runs[True][variant]
+        for key in ("loss", "grad_norm", "eval_loss", "eval_accuracy"):
+            padded_values = [entry[key] for entry in padded["log_history"] if key in entry]
+            packed_values = [entry[key] for entry in packed["log_history"] if key in entry]
+            assert len(padded_values) == len(packed_values) >= 2, key
+            assert max(abs(a - b) for a, b in zip(padded_values, packed_values)) <= 1e-4, (variant, key)
+    assert runs[True]["pre:rope"]["log_history"] != runs[True]["post"]["log_history"]
+
+
 def test_experiment_file_and_random_init_config(tmp_path):
     config = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
               "num_attention_heads": 2, "max_position_embeddings": 32, "hidden_dropout": 0.0}
@@ -141,14 +160,15 @@ def test_experiment_file_and_random_init_config(tmp_path):
     save_source(tmp_path / "tokenizer", "bert", "Model")
     (tmp_path / "experiment.yaml").write_text(
         f"model: {tmp_path / 'config.json'}\ntokenizer: {tmp_path / 'tokenizer'}\nvariants: [post, 'pre:rope', deepnorm]\n"
-        f"task: {tiny_task(tmp_path / 'task')}\ntext_columns: [text]\nseeds: 1\nepochs: 1\nbatch_size: 16\nlogging_steps: 1\n"
+        f"task: {tiny_task(tmp_path / 'task')}\ntext_columns: [text]\nseeds: 1\nepochs: 1\nbatch_size: 16\nlogging_steps: 1\npacking: true\n"
     )
     assert cli(["compare", "--config", str(tmp_path / "experiment.yaml"), "--output", str(tmp_path / "out")]) == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     configs = {run["variant"]: run["model_config"] for run in saved["runs"]}
     assert configs["pre:rope"]["norm_placement"] == "pre" and configs["pre:rope"]["position_embedding_type"] == "rope"
     assert configs["deepnorm"]["norm_placement"] == "deepnorm"
-    assert saved["experiment"]["model"].endswith("config.json")
+    assert saved["experiment"]["model"].endswith("config.json") and saved["experiment"]["packing"] is True
+    assert "padding-free batches" in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -282,6 +302,8 @@ def test_output_remembers_its_settings(tmp_path, bert_source, capsys):
     capsys.readouterr()
     assert cli([*base, "--learning-rate", "0.1"]) == 1
     assert "holds a comparison run with other settings (learning_rate)" in capsys.readouterr().err
+    assert cli([*base, "--packing"]) == 1
+    assert "other settings (packing)" in capsys.readouterr().err
 
 
 def test_string_labels_get_the_same_ids_in_both_splits(tmp_path):
