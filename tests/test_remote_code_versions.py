@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from hf_normswap import (
+    DataCollatorWithPacking,
     NormSwapForCausalLM,
     NormSwapForMaskedLM,
     NormSwapForQuestionAnswering,
@@ -61,18 +62,26 @@ def test_ci_provides_the_oldest_and_newest_supported_transformers():
     assert set(CLEAN_PYTHONS) == {oldest, newest}
 
 
+PACKED_HEADS = ["AutoModelForSequenceClassification", "AutoModelForQuestionAnswering", "AutoModelForCausalLM"]
+
+
 @pytest.mark.skipif(not CLEAN_PYTHONS, reason="run through .ci/run, which builds the clean environments")
 @pytest.mark.parametrize("version", sorted(CLEAN_PYTHONS))
-@pytest.mark.parametrize("auto_class", HEADS)
-def test_variant_loads_in_a_clean_environment(tmp_path, version, auto_class):
+@pytest.mark.parametrize(
+    "auto_class, layout", [(head, "padded") for head in HEADS] + [(head, "packed") for head in PACKED_HEADS]
+)
+def test_variant_loads_in_a_clean_environment(tmp_path, version, auto_class, layout):
     model_class, overrides = HEADS[auto_class]
     config = tiny_config(**{"norm_placement": "sandwich", "position_embedding_type": "rope", "norm_type": "rmsnorm", **overrides})
     model = model_class(config).eval()
     model.save_pretrained(tmp_path / "model")
     input_ids, attention_mask = padded_batch()
-    torch.save({"input_ids": input_ids, "attention_mask": attention_mask}, tmp_path / "batch.pt")
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if layout == "packed":
+        batch = DataCollatorWithPacking()([{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)])
+    torch.save(batch, tmp_path / "batch.pt")
     with torch.no_grad():
-        expected = model(input_ids, attention_mask=attention_mask)[0]
+        expected = model(**batch)[0]
 
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
            "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf")}
