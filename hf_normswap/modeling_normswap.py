@@ -478,10 +478,11 @@ class NormSwapModel(NormSwapPreTrainedModel):
         if position_ids is not None:
             position_ids = position_ids.expand(inputs.shape[0], -1)
         sequence_ids = packed_sequence_ids(attention_mask, position_ids, kwargs.get("seq_idx"))
-        if position_ids is None and sequence_ids is not None:
-            position_ids = positions_in_sequence(sequence_ids)
-        elif position_ids is None:
-            position_ids = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
+        if position_ids is None:  # restarting at every sequence of a packed batch
+            if sequence_ids is not None:
+                position_ids = positions_in_sequence(sequence_ids)
+            else:
+                position_ids = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
         if sequence_ids is not None and "flash" in self.config._attn_implementation and "cu_seq_lens_q" not in kwargs:
             kwargs.update(flash_varlen_kwargs(sequence_ids))
 
