@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import datasets
 import torch
 from transformers import (
     AutoModelForSequenceClassification,
@@ -119,6 +120,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time the models with torch.compile'd encoders")
     args = parser.parse_args()
     transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
     torch.manual_seed(0)
     source = args.model or default_model()
     tokenizer = AutoTokenizer.from_pretrained(source)
