@@ -6,6 +6,7 @@ from transformers import AutoConfig
 
 from .configuration_normswap import NormSwapConfig, mix_ln_placement
 from .convert import convert_checkpoint
+from .heal import heal_checkpoint
 from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES
 from .modeling_normswap import (
     NormSwapForCausalLM,
@@ -26,6 +27,7 @@ for _head, _model_class in HEAD_CLASSES.items():
 __all__ = [
     "convert_checkpoint",
     "DataCollatorWithPacking",
+    "heal_checkpoint",
     "NormSwapConfig",
     "mix_ln_placement",
     "NormSwapPreTrainedModel",

@@ -1,4 +1,4 @@
-"""The `hf-normswap` command line: convert, export-native, compare, push."""
+"""The `hf-normswap` command line: convert, export-native, heal, compare, push."""
 
 import argparse
 import dataclasses
@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import yaml
 from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as transformers_logging
 
@@ -71,6 +72,39 @@ def _run_export(args) -> None:
     export_native(args.source, args.output, overwrite=args.overwrite)
 
 
+def _add_heal(commands) -> None:
+    from .heal import DEFAULTS, EVAL_SIZE, OBJECTIVES
+
+    parser = commands.add_parser(
+        "heal",
+        help="train a swapped variant to compute what its unswapped source computes",
+        description="Distils the source (the teacher) into the converted VARIANT on unlabeled text, through the Trainer, "
+        "and writes the healed checkpoint with heal.json (before/after figures per layer) and heal.png.",
+    )
+    parser.add_argument("variant", help="a NormSwap checkpoint folder written by convert")
+    parser.add_argument("output", help="folder to write")
+    parser.add_argument("--teacher", help="folder or Hub id (default: the source named in VARIANT's conversion.json)")
+    parser.add_argument("--data", default=DEFAULTS["data"], help="sst2-sample (default), a GLUE task name, a .txt / .csv / .jsonl file, or a datasets hub id")
+    parser.add_argument("--text-column", help="the text column of a CSV / JSON-lines file or hub dataset (default: text)")
+    parser.add_argument("--data-dir", help="folder holding GLUE TASK/train.jsonl and TASK/validation.jsonl")
+    parser.add_argument("--objective", choices=OBJECTIVES, default=DEFAULTS["objective"])
+    parser.add_argument("--max-steps", type=int, default=DEFAULTS["max_steps"])
+    parser.add_argument("--learning-rate", type=float, default=DEFAULTS["learning_rate"])
+    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    parser.add_argument("--max-length", type=int, default=DEFAULTS["max_length"])
+    parser.add_argument("--eval-size", type=int, default=EVAL_SIZE, help="held-out texts measured before, during and after")
+    parser.add_argument("--checkpoint-dir", help="keep resumable Trainer checkpoints here; a rerun continues from the last")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
+
+
+def _run_heal(args) -> None:
+    from .heal import heal_checkpoint
+
+    options = {name: getattr(args, name) for name in ("teacher", "data", "text_column", "data_dir", "objective", "max_steps",
+                                                      "learning_rate", "batch_size", "max_length", "eval_size", "checkpoint_dir", "overwrite")}
+    heal_checkpoint(args.variant, args.output, **options)
+
+
 def _add_compare(commands) -> None:
     from .experiment import Experiment
 
@@ -99,6 +133,8 @@ def _option_type(field):
     are read, and checked, with the experiment)."""
     if "list" in str(field.type):
         return lambda text: text.split(",")
+    if "dict" in str(field.type):  # a YAML / JSON mapping, e.g. --heal "{max_steps: 100}"
+        return yaml.safe_load
     for kind in (int, float):
         if field.type is kind or kind in getattr(field.type, "__args__", ()):
             return kind
@@ -154,6 +190,7 @@ def _run_push(args) -> None:
 COMMANDS = {
     "convert": (_add_convert, _run_convert),
     "export-native": (_add_export, _run_export),
+    "heal": (_add_heal, _run_heal),
     "compare": (_add_compare, _run_compare),
     "push": (_add_push, _run_push),
 }

@@ -13,6 +13,7 @@ from huggingface_hub.errors import StrictDataclassError
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -23,10 +24,12 @@ from transformers import (
 )
 
 from .checkpoint import read_tensors, weight_files
+from .collapse import collapse_profile
 from .configuration_normswap import NormSwapConfig, mix_ln_placement
 from .convert import convert_checkpoint
 from .diagnostics import DiagnosticsCallback
-from .experiment import Experiment, parse_variant, split_variant
+from .experiment import HEAL_SUFFIX, Experiment, parse_variant, split_variant
+from .heal import heal_checkpoint
 from .metrics import load_metric
 from .modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
 from .packing import DataCollatorWithPacking
@@ -135,6 +138,8 @@ def _claim_output(output: Path, experiment: Experiment) -> None:
 def _prepare_variant(model: str, variant: str, from_config: bool, task, experiment: Experiment, output: Path) -> dict:
     """Where a variant's starting weights come from: a converted folder, the native checkpoint, or a config."""
     name = split_variant(variant)[0]
+    if name.endswith(HEAL_SUFFIX):
+        return _healed_variant(model, name, from_config, task, experiment, output)
     placement, position = parse_variant(name)
     causal = experiment.task_type == "causal-lm"
     if name == "native":
@@ -172,6 +177,30 @@ def _prepare_variant(model: str, variant: str, from_config: bool, task, experime
             log=lambda line: None,
         )
     return {"kind": "converted", "path": str(folder)}
+
+
+def _healed_variant(model: str, name: str, from_config: bool, task, experiment: Experiment, output: Path) -> dict:
+    """The converted variant healed once per output folder and shared by every seed; an interrupted healing resumes
+    from its last checkpoint."""
+    converted = _prepare_variant(model, name.removesuffix(HEAL_SUFFIX), from_config, task, experiment, output)
+    folder = output / "variants" / _folder(name)
+    if not (folder / "heal.json").exists():
+        heal_checkpoint(
+            converted["path"], str(folder), teacher=model, checkpoint_dir=str(output / "healing" / _folder(name)),
+            overwrite=True, log=None, **(experiment.heal or {}),
+        )
+    record = json.loads((folder / "heal.json").read_text())
+    summary = {key: record[key] for key in ("objective", "steps", "learning_rate", "batch_size", "seconds", "resumed", "teacher_collapse")}
+    summary.update(before=record["before"][-1], after=record["after"][-1], data=record["data"]["name"])
+    return {"kind": "converted", "path": str(folder), "heal": summary}
+
+
+def _source_collapse(source: dict, model: str, probe: dict) -> dict | None:
+    """The collapse figures of the pretrained source on the diagnostics probe (None for a configuration)."""
+    if source["kind"] == "config":
+        return None
+    pretrained = AutoModel.from_pretrained(model, dtype=torch.float32)
+    return collapse_profile(pretrained, [{name: torch.tensor(values) for name, values in probe.items()}])
 
 
 def _build_model(source: dict, seed: int, num_labels: int, causal: bool) -> torch.nn.Module:
@@ -266,6 +295,7 @@ class _Runner:
         probe = self.collator([evaluation[i] for i in range(min(16, len(evaluation)))])
         probe = {name: values.tolist() for name, values in probe.items()}
         diagnostics = DiagnosticsCallback(probe=probe, num_layers=model.config.num_hidden_layers)
+        source_collapse = _source_collapse(source, experiment.model or default_model(), probe)
         trainer = Trainer(
             model=model,
             args=args,
@@ -297,4 +327,6 @@ class _Runner:
             "model_config": model.config.to_dict(),
             "training_arguments": json.loads(args.to_json_string()),
             "resumed": resume,
+            "source_collapse": source_collapse,
+            "heal": source.get("heal"),
         }

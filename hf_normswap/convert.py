@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from . import __version__
 from .checkpoint import ShardWriter, check_output, output_folder, read_tensors, weight_files
+from .collapse import COLLAPSE_MARGIN, conversion_collapse
 from .configuration_normswap import NormSwapConfig
 from .exact_swaps import apply_exact_swap, keeps_last_hidden_state, plan_exact_swap
 from .families import LLAMA, NORMSWAP, family_of, normswap_config
@@ -169,9 +170,12 @@ def convert_checkpoint(
             report["measured"] = _verify(folder, plain_model, staging, head, exact_swap, report, log)
             report["swap_effect"] = swap_effect(plain_model, staging, head, source_family)
             log(_swap_line(report["swap_effect"]))
+            report["collapse"] = conversion_collapse(plain_model, staging)
+            log(_collapse_line(report["collapse"]))
         else:
             report["measured"] = report["exact"] = report["swap_distance"] = None
             report["swap_effect"] = None
+            report["collapse"] = None
             log("verification skipped (--no-verify)")
         (staging / "conversion.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     log(f"wrote {output}")
@@ -398,3 +402,11 @@ def _swap_line(effect: dict) -> str:
     if effect["metric"] == "cosine_similarity":
         return f"swap effect: cosine similarity of hidden states before/after {effect['after']:.4f}"
     return f"swap effect: {effect['metric']} {effect['before']:.4f} -> {effect['after']:.4f}"
+
+
+def _collapse_line(collapse: dict) -> str:
+    source, variant = collapse["source"], collapse["variant"]
+    line = (f"collapse (mean pairwise cosine of first-token / mean vectors, final output): source "
+            f"{source['first_token'][-1]:.4f} / {source['mean'][-1]:.4f}, converted {variant['first_token'][-1]:.4f} / "
+            f"{variant['mean'][-1]:.4f}")
+    return line + (f"; more than {COLLAPSE_MARGIN} above the source: the swap collapsed it" if collapse["flagged"] else "")

@@ -1,10 +1,12 @@
-"""Per-layer training diagnostics: gradient norms of attention and feed-forward, and the residual stream's RMS."""
+"""Per-layer training diagnostics: gradient norms of attention and feed-forward, the residual stream's RMS, collapse."""
 
 import re
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
+
+from .collapse import collapse_profile
 
 
 # NormSwap, BERT and LLaMA parameter names: the layer index, then what the parameter belongs to.
@@ -58,7 +60,8 @@ def residual_rms(model: torch.nn.Module, batch: dict, num_layers: int, backward:
 
 
 class DiagnosticsCallback(TrainerCallback, ExportableState):
-    """Records, at initialisation and every logging step, per-layer gradient norms and residual-stream RMS.
+    """Records, at initialisation and every logging step, per-layer gradient norms, residual-stream RMS and the
+    collapse figures (`hf_normswap.collapse`) of the probe.
 
     At initialisation the gradients are those of `probe` (a fixed validation batch, in eval mode, before any update),
     the measurement of Xiong et al. (2020); during training they are the training gradients after clipping.
@@ -78,6 +81,7 @@ class DiagnosticsCallback(TrainerCallback, ExportableState):
         model.eval()
         rms = residual_rms(model, self._probe(model), self.num_layers, backward=True)
         self.records.append({"step": 0, **layer_gradient_norms(model, self.num_layers), "residual_rms": rms})
+        self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
         model.zero_grad(set_to_none=True)
         model.train()
 
@@ -91,6 +95,7 @@ class DiagnosticsCallback(TrainerCallback, ExportableState):
         was_training = model.training
         model.eval()
         self.records[-1]["residual_rms"] = residual_rms(model, self._probe(model), self.num_layers)
+        self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
         model.train(was_training)
 
     def _probe(self, model) -> dict:

@@ -18,6 +18,8 @@ DEFAULT_EXPERIMENT = EXPERIMENTS_DIR / "default_experiment.yaml"
 TASK_TYPES = ("sequence-classification", "causal-lm")
 TRACKERS = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "trackio": is_trackio_available}
 VARIANT_SETTINGS = ("learning_rate", "warmup_ratio")  # what `VARIANT@field=value` may pin
+HEAL_SUFFIX = "+heal"  # `pre+heal`: the converted variant is healed before fine-tuning
+HEAL_SETTINGS = ("data", "text_column", "data_dir", "objective", "max_steps", "learning_rate", "batch_size", "max_length", "eval_size")
 _PATH_FIELDS = ("model", "tokenizer", "task", "data_dir")  # relative to the experiment file when found there
 
 
@@ -53,6 +55,7 @@ class Experiment:
     allow_pickle: bool = False  # accept pytorch_model.bin (read with weights_only=True)
     report_to: list[str] = dataclasses.field(default_factory=lambda: ["none"])  # tensorboard, wandb, trackio, none
     packing: bool = False  # padding-free batches for the NormSwap variants; `native` ones keep padding
+    heal: dict | None = None  # settings of the `+heal` variants' healing (`hf_normswap.heal_checkpoint` keywords)
 
     @classmethod
     def from_file(cls, path: str, **overrides) -> "Experiment":
@@ -107,7 +110,12 @@ class Experiment:
             if len(set(values)) < len(values):
                 raise ValueError(f"{name}={values!r} is invalid: a value is repeated")
         for variant in self.variants:
-            split_variant(variant)
+            name = split_variant(variant)[0]
+            if name.endswith(HEAL_SUFFIX) and (name == "native" + HEAL_SUFFIX or (self.model or "").endswith(".json")):
+                raise ValueError(f"variant {variant!r}: healing needs a converted variant of a pretrained checkpoint")
+        unknown = sorted(set(self.heal or {}) - set(HEAL_SETTINGS))
+        if unknown:
+            raise ValueError(f"heal: unknown settings {unknown}; allowed: {list(HEAL_SETTINGS)}")
         if self.reference is not None and self.reference not in self.variants:
             raise ValueError(f"reference={self.reference!r} is invalid: it must be one of the variants {self.variants}")
         _choice("task_type", self.task_type, TASK_TYPES)
@@ -166,6 +174,7 @@ _KINDS.update({field: (list,) for field in ("variants", "text_columns", "learnin
 _KINDS.update({field: (str,) for field in ("task", "task_type", "label_column", "output", "norm_mapping")})
 _KINDS.update({field: (str,) for field in ("model", "reference", "data_dir", "tokenizer")})
 _KINDS["allow_pickle"] = _KINDS["packing"] = (bool,)
+_KINDS["heal"] = (dict,)
 _FLOAT_FIELDS = ("learning_rate", "epochs", "warmup_ratio", "weight_decay", "dev_fraction")
 _GRID_FIELDS = ("learning_rates", "warmup_ratios")
 _RULES = {  # field: (test, what is allowed)
@@ -187,11 +196,12 @@ _RULES = {  # field: (test, what is allowed)
 
 
 def split_variant(variant: str) -> tuple[str, dict[str, float]]:
-    """`NAME` or `NAME@field=value@...` -> (NAME, the training settings it pins: learning_rate, warmup_ratio)."""
+    """`NAME` or `NAME@field=value@...` -> (NAME, the training settings it pins: learning_rate, warmup_ratio);
+    NAME may end in `+heal`."""
     if not isinstance(variant, str):
         raise ValueError(f"variants: {variant!r} is not a variant name")
     name, *settings = variant.split("@")
-    parse_variant(name)
+    parse_variant(name.removesuffix(HEAL_SUFFIX))
     pinned = {}
     for setting in settings:
         field, _, value = setting.partition("=")

@@ -85,6 +85,9 @@ def write_plots(output: Path, results: list[dict], reference: str | None = None,
     axis.set(xlabel="depth (0: embeddings)", ylabel="residual-stream RMS", yscale="log", title="Residual stream RMS")
     figures["residual_rms.png"] = figure
 
+    if any(run.get("source_collapse") and "collapse" in run["diagnostics"][0] for run in results):
+        figures["collapse.png"] = _collapse_figure(grouped)
+
     for name, figure in figures.items():
         if figure.axes[0].get_legend_handles_labels()[0]:
             figure.axes[0].legend(fontsize=7)
@@ -131,4 +134,18 @@ def _search_figure(search: dict):
         axis.set_yticks(range(len(warmups)), [f"{w:g}" for w in warmups], fontsize=8)
         axis.set(xlabel="learning rate", ylabel="warm-up ratio", title=f"{variant}: dev {found['metric']}")
         figure.colorbar(image, ax=axis, fraction=0.046)
+    return figure
+
+
+def _collapse_figure(grouped: dict[str, list[dict]]):
+    """First-token collapse of the final output against step (mean over seeds), with the source's as a line."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for index, (variant, runs) in enumerate(grouped.items()):
+        curves = [{r["step"]: r["collapse"]["first_token"][-1] for r in run["diagnostics"] if "collapse" in r} for run in runs]
+        steps = sorted(set.intersection(*(set(curve) for curve in curves)))
+        axis.plot(steps, np.mean([[curve[s] for s in steps] for curve in curves], axis=0), marker=".", color=f"C{index}", label=variant)
+    sources = [run["source_collapse"]["first_token"][-1] for runs in grouped.values() for run in runs if run.get("source_collapse")]
+    axis.axhline(float(np.mean(sources)), color="gray", linestyle="--", label="source")
+    axis.set(xlabel="step", ylabel="mean pairwise cosine of first-token outputs", ylim=(None, 1.02),
+             title="Collapse of the probe's first-token outputs")
     return figure

@@ -5,6 +5,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from .collapse import report_lines as collapse_lines, summarize_runs as collapse_summary
 from .plots import write_plots
 from .statistics import describe, paired_difference, summarize
 
@@ -24,6 +25,8 @@ def write_report(output: Path, experiment, task, results: list[dict], search: di
             "failed_runs": sum(r["failed"] for r in runs),
             "runs": len(runs),
             "settings": runs[0]["point"],
+            "collapse": collapse_summary(runs),
+            "heal": runs[0].get("heal"),
         }
     reference = experiment.reference_variant
     paired = {}
@@ -102,7 +105,10 @@ def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
     lines += _paired_markdown(document["paired"], metric_names)
     if search:
         lines += _search_markdown(search)
-    lines += ["", "## Plots", ""]
+    lines += [""]
+    lines += collapse_lines(document["summary"])
+    lines += _healing_lines(document["summary"])
+    lines += ["## Plots", ""]
     lines += [f"![{name}]({name})" for name in plots]
     lines += ["", "## Runs", "", "| variant | seed | " + " | ".join(metric_names) + " | resumed |", "|---|---|" + "---|" * (len(metric_names) + 1)]
     for run in document["runs"]:
@@ -162,3 +168,27 @@ def _search_markdown(search: dict) -> list[str]:
             lines.append(f"| {variant} | {found['metric']} | {point['learning_rate']:g} | {point['warmup_ratio']:g} | "
                          f"{point['dev_score']:.4f} | {'**yes**' if chosen else ''} |")
     return lines
+
+
+def _healing_lines(summary: dict) -> list[str]:
+    healed = {variant: s["heal"] for variant, s in summary.items() if s.get("heal")}
+    if not healed:
+        return []
+    lines = [
+        "## Healing",
+        "",
+        "`+heal` variants were trained to compute what the source computes (`hf-normswap heal`) once, before the "
+        "seeds' fine-tuning; figures on held-out text, final output (see each variant's `heal.json`).",
+        "",
+        "| variant | objective, steps, learning rate | seconds | token cosine to the source | first-token collapse (source) |",
+        "|---|---|---|---|---|",
+    ]
+    for variant, heal in healed.items():
+        before, after = heal["before"], heal["after"]
+        lines.append(
+            f"| {variant} | {heal['objective']}, {heal['steps']}, {heal['learning_rate']} | {heal['seconds']:.0f}"
+            + (" (resumed)" if heal["resumed"] else "")
+            + f" | {before['token_cosine']:.4f} → {after['token_cosine']:.4f} | {before['collapse_first_token']:.4f} → "
+            f"{after['collapse_first_token']:.4f} ({heal['teacher_collapse']['first_token'][-1]:.4f}) |"
+        )
+    return lines + [""]

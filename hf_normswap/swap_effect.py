@@ -33,7 +33,7 @@ def swap_effect(before: torch.nn.Module, after_folder: Path, head: str, family: 
 
     with torch.no_grad():
         if tokenizer is not None and family is BERT and head == "masked-lm":
-            labels = _masked(batch, tokenizer)
+            labels = mask_every_sixth(batch, tokenizer)
             before_loss = before(**batch, labels=labels).loss.item()
             return {"metric": "masked_lm_loss", "before": before_loss, "after": after(**batch, labels=labels).loss.item()}
         if tokenizer is not None and family is LLAMA and head == "causal-lm":
@@ -56,7 +56,7 @@ def _tokenizer(folder: Path):
     return tokenizer if tokenizer.pad_token is not None else None
 
 
-def _masked(batch: dict, tokenizer) -> torch.Tensor:
+def mask_every_sixth(batch: dict, tokenizer) -> torch.Tensor:
     """Masks every 6th real, non-special token; returns the labels and masks `batch` in place."""
     input_ids = batch["input_ids"]
     special = torch.tensor(

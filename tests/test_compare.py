@@ -196,6 +196,8 @@ def test_experiment_file_and_random_init_config(tmp_path):
         (["--report-to", "mlflow"], "report_to='mlflow' is invalid"),
         (["--dev-fraction", "1"], "dev_fraction=1.0 is invalid"),
         (["--max-steps", "0"], "max_steps=0 is invalid"),
+        (["--variants", "post,native+heal"], "variant 'native+heal': healing needs a converted variant"),
+        (["--variants", "pre+heal", "--heal", "{steps: 3}"], "heal: unknown settings ['steps']"),
     ],
 )
 def test_bad_inputs_give_one_line_errors(tmp_path, bert_source, capsys, arguments, message):
@@ -400,3 +402,41 @@ def test_a_normswap_checkpoint_compares_as_swaps_of_itself(tmp_path, bert_source
     assert conversion["source"]["id"] == str(tmp_path / "bert-pre")
     assert [step["target_config"]["norm_placement"] for step in conversion["lineage"]] == ["pre"]
     assert conversion["target_config"]["norm_placement"] == "post"
+
+
+def test_heal_variants_are_healed_once_and_resume_mid_healing(tmp_path, bert_source, monkeypatch):
+    from hf_normswap import heal
+
+    settings = {"max_steps": 6, "batch_size": 8, "learning_rate": 1e-3, "eval_size": 8, "objective": "hidden",
+                "data": str(tiny_task(tmp_path / "task") / "train.jsonl"), "text_column": "text"}
+    fields = dict(variants=["post", "pre+heal"], epochs=1, heal=settings)
+
+    original = heal.HealTrainer
+
+    class Interrupted(original):
+        def training_step(self, *args, **kwargs):
+            if self.state.global_step == 4:  # after the checkpoints of steps 2 and 4 (every max_steps // 5 = 1 step)
+                raise KeyboardInterrupt
+            return super().training_step(*args, **kwargs)
+
+    monkeypatch.setattr(heal, "HealTrainer", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_comparison(experiment(tmp_path, bert_source, **fields))
+    output = tmp_path / "comparison"
+    assert not (output / "variants" / "pre+heal").exists()
+    assert [path.name for path in (output / "healing" / "pre+heal").glob("checkpoint-*")] == ["checkpoint-4"]
+
+    monkeypatch.setattr(heal, "HealTrainer", original)
+    document = run_comparison(experiment(tmp_path, bert_source, **fields))
+    record = json.loads((output / "variants" / "pre+heal" / "heal.json").read_text())
+    assert record["resumed"] is True and record["steps"] == 6 and record["history"][-1]["step"] == 6
+    assert record["teacher"] == bert_source and not (output / "healing" / "pre+heal").exists()
+    assert (output / "variants" / "pre" / "conversion.json").exists()  # the converted variant it started from
+    healed_runs = [run for run in document["runs"] if run["variant"] == "pre+heal"]
+    assert len(healed_runs) == 2 and all(run["heal"]["seconds"] == record["seconds"] for run in healed_runs)
+    assert document["summary"]["pre+heal"]["heal"]["after"] == record["after"][-1]
+    report = (output / "report.md").read_text()
+    assert "## Healing" in report and "| pre+heal | hidden, 6, 0.001 |" in report
+    assert "## Collapse" in report and (output / "collapse.png").stat().st_size > 0
+    for run in document["runs"]:
+        assert len(run["source_collapse"]["first_token"]) == 3 and "collapse" in run["diagnostics"][0]

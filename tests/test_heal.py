@@ -1,0 +1,140 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
+
+import hf_normswap
+from hf_normswap import convert_checkpoint, heal_checkpoint
+from hf_normswap.modeling_normswap import AUTO_MAP
+from hf_normswap.cli import main as cli
+from hf_normswap.collapse import mean_pairwise_cosine, report_lines, summarize_runs
+
+from sources import SENTENCES, save_source
+
+
+HEAL = dict(max_steps=24, learning_rate=1e-3, batch_size=8, eval_size=16, log=None)
+
+
+@pytest.fixture(scope="module")
+def variant(tmp_path_factory):
+    """A tiny BERT converted to pre-LN, and a text file to heal it on."""
+    folder = tmp_path_factory.mktemp("heal")
+    save_source(folder / "bert", "bert", "Model", initializer_range=0.2)  # inputs told apart, unlike at 0.02
+    convert_checkpoint(str(folder / "bert"), str(folder / "pre"), norm_placement="pre", log=lambda line: None)
+    (folder / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
+    return folder
+
+
+def test_collapse_figure():
+    assert mean_pairwise_cosine(torch.ones(1, 16).repeat(10, 1) * 3.0) == pytest.approx(1.0, abs=1e-9)
+    assert abs(mean_pairwise_cosine(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)))) < 0.5
+    assert mean_pairwise_cosine(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])) == pytest.approx(2**-0.5 * 2 / 3)
+
+
+def test_conversion_records_collapse(variant):
+    record = json.loads((variant / "pre" / "conversion.json").read_text())["collapse"]
+    assert "SST-2" in record["probe"]
+    for pooling in ("first_token", "mean"):
+        assert len(record["source"][pooling]) == len(record["variant"][pooling]) == 3  # embeddings + 2 layers
+        assert all(-1 <= value <= 1 for value in record["source"][pooling] + record["variant"][pooling])
+    assert record["flagged"] == any(record["variant"][p][-1] > record["source"][p][-1] + 0.1 for p in ("first_token", "mean"))
+    # The unswapped conversion has the source's figures.
+    plain = convert_checkpoint(str(variant / "bert"), str(variant / "post"), log=lambda line: None)["collapse"]
+    assert plain["variant"]["mean"] == pytest.approx(plain["source"]["mean"], abs=1e-5) and not plain["flagged"]
+
+
+@pytest.mark.parametrize("objective", ["similarity", "cka", "hidden"])
+def test_healing_reduces_distance(variant, objective):
+    output = variant / f"healed-{objective}"
+    report = heal_checkpoint(str(variant / "pre"), str(output), data=str(variant / "text.txt"), objective=objective, **HEAL)
+    saved = json.loads((output / "heal.json").read_text())
+    assert saved["teacher"] == str(variant / "bert") and saved["steps"] == 24 and saved["seconds"] > 0
+    assert saved["objective"] == objective and len(saved["before"]) == len(saved["after"]) == 3
+    before, after = report["before"][-1], report["after"][-1]
+    assert after["token_cosine"] > before["token_cosine"] + 0.03, (before, after)
+    assert after["mse"] < 0.8 * before["mse"], (before, after)
+    assert [entry["step"] for entry in saved["history"]][0] == 0 and saved["history"][-1]["step"] == 24
+    assert (output / "heal.png").stat().st_size > 0
+    carried = json.loads((output / "conversion.json").read_text())
+    assert carried.pop("heal")["after"] == saved["after"][-1]
+    assert carried == json.loads((variant / "pre" / "conversion.json").read_text())
+
+    # The healed folder is a checkpoint like convert's (code and auto_map: test_remote_code loads such folders without
+    # the package), and it computes what was measured.
+    assert json.loads((output / "config.json").read_text())["auto_map"] == AUTO_MAP
+    for code in ("configuration_normswap.py", "modeling_normswap.py"):
+        assert (output / code).read_text() == (Path(hf_normswap.__file__).parent / code).read_text()
+    healed = AutoModel.from_pretrained(output, trust_remote_code=True).eval()
+    teacher = AutoModel.from_pretrained(variant / "bert").eval()
+    batch = AutoTokenizer.from_pretrained(output)(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        cosine = torch.nn.functional.cosine_similarity(healed(**batch).last_hidden_state, teacher(**batch).last_hidden_state, dim=-1)
+    assert cosine[batch["attention_mask"].bool()].mean().item() > before["token_cosine"] + 0.03
+
+
+def test_heal_cli_bad_input(variant, tmp_path, capsys):
+    pre, out = str(variant / "pre"), str(tmp_path / "out")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": " "}) + "\n")
+    vocab_size = json.loads((variant / "pre" / "config.json").read_text())["vocab_size"]
+    BertModel(BertConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)).save_pretrained(tmp_path / "wide")
+    no_record = tmp_path / "no-record"
+    no_record.mkdir()
+    for file in (variant / "pre").iterdir():
+        if file.name != "conversion.json":
+            (no_record / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    cases = [
+        ([str(no_record), out], "no conversion.json naming its source; pass --teacher"),
+        ([pre, out, "--teacher", str(tmp_path / "wide")], "hidden_size 64 differs from the student's 32"),
+        ([pre, out, "--data", str(tmp_path / "empty.jsonl")], "is empty"),
+        ([pre, out, "--data", str(tmp_path / "blank.jsonl")], "holds no tokens"),
+        ([pre, out, "--max-steps", "0"], "max_steps=0 is invalid"),
+        ([pre, str(tmp_path / "taken")], "exists and is not empty; pass --overwrite"),
+        ([pre, out, "--objective", "mlm"], "needs a masked-LM student"),
+    ]
+    capsys.readouterr()
+    for arguments, message in cases:
+        assert cli(["heal", *arguments, "--eval-size", "8"]) == 1
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and message in error, error
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    assert [path.name for path in (tmp_path / "taken").iterdir()] == ["file"]
+
+
+def test_collapse_flag_in_report():
+    def run(start: float, source: float = 0.7) -> dict:
+        profile = lambda value: {"first_token": [0.5, value], "mean": [0.5, 0.6]}  # noqa: E731
+        return {"source_collapse": profile(source), "diagnostics": [{"step": 0, "collapse": profile(start)}, {"step": 10, "collapse": profile(0.75)}]}
+
+    healthy, collapsed = summarize_runs([run(0.75), run(0.79)]), summarize_runs([run(0.99), run(0.97)])
+    assert not healthy["flagged"] and collapsed["flagged"]
+    assert collapsed["start"]["first_token"] == pytest.approx(0.98) and collapsed["end"]["first_token"] == pytest.approx(0.75)
+    lines = report_lines({"post": {"collapse": healthy}, "pre": {"collapse": collapsed}})
+    assert any(line.startswith("| pre |") and "**collapsed**" in line for line in lines)
+    assert any(line.startswith("| post |") and "**collapsed**" not in line for line in lines)
+    assert summarize_runs([{"source_collapse": None, "diagnostics": [{"step": 0}]}]) is None
+
+
+def test_heal_a_reswapped_normswap_checkpoint(variant):
+    """A variant converted from a NormSwap checkpoint heals towards that checkpoint; the healing stays in the lineage."""
+    convert_checkpoint(str(variant / "bert"), str(variant / "ns-post"), log=lambda line: None)
+    convert_checkpoint(str(variant / "ns-post"), str(variant / "ns-pre"), norm_placement="pre", log=lambda line: None)
+    report = heal_checkpoint(str(variant / "ns-pre"), str(variant / "ns-healed"), data=str(variant / "text.txt"), **HEAL)
+    assert report["teacher"] == str(variant / "ns-post")
+    assert report["after"][-1]["token_cosine"] > report["before"][-1]["token_cosine"] + 0.03
+    again = convert_checkpoint(str(variant / "ns-healed"), str(variant / "ns-again"), log=lambda line: None)
+    assert again["lineage"][-1]["heal"]["steps"] == HEAL["max_steps"]
+
+
+def test_masked_lm_distillation(tmp_path):
+    save_source(tmp_path / "bert", "bert", "ForMaskedLM", initializer_range=0.2)
+    convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre", log=lambda line: None)
+    (tmp_path / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
+    report = heal_checkpoint(str(tmp_path / "pre"), str(tmp_path / "healed"), data=str(tmp_path / "text.txt"), objective="mlm", **HEAL)
+    losses = report["masked_lm_loss"]
+    assert losses["after"] < losses["before"] and losses["teacher"] > 0, losses
+    assert report["after"][-1]["token_cosine"] > report["before"][-1]["token_cosine"]
