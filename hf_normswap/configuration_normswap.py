@@ -23,6 +23,12 @@ POSITION_EMBEDDING_TYPES = ("absolute", "sinusoidal", "rope", "alibi", "none")
 MLP_TYPES = ("standard", "glu")
 CLASSIFIER_POOLINGS = ("cls", "mean", "last")
 ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def rope_parameters_by_layer_type(rope_parameters) -> bool:
+    """Whether `rope_parameters` holds one dict per layer type (Gemma 3, ModernBERT) rather than one for all layers."""
+    return bool(rope_parameters) and set(rope_parameters) <= set(LAYER_TYPES)
 
 
 def mix_ln_placement(num_hidden_layers: int, post_fraction: float = 0.25) -> list[str]:
@@ -59,8 +65,17 @@ class NormSwapConfig(PreTrainedConfig):
         `"absolute"` (learned table), `"sinusoidal"`, `"rope"` (see `rope_parameters`), `"alibi"` or `"none"`.
     position_offset (`int`, defaults to 0):
         Added to the position ids of absolute and sinusoidal embeddings (RoBERTa starts after its padding index).
+    rope_parameters (`dict`, *optional*):
+        Transformers' rope parameters: one dict for all layers, or one per layer type
+        (`{"full_attention": {...}, "sliding_attention": {...}}`, as Gemma 3 and ModernBERT).
     is_causal (`bool`, defaults to `False`):
         Causal attention instead of bidirectional.
+    layer_types (`list[str]`, *optional*):
+        One per layer, `"full_attention"` or `"sliding_attention"`; None means all full.
+    sliding_window (`int`, *optional*):
+        The window of `"sliding_attention"` layers, as Transformers' masks read it: causally a token sees itself and
+        the `sliding_window - 1` tokens before it (Mistral, Gemma 2); bidirectionally every token at most
+        `sliding_window` positions away (ModernBERT's `local_attention // 2`).
     qk_norm (`bool`, defaults to `False`):
         A per-head norm of `norm_type` on queries and keys.
     mlp_type (`str`, defaults to `"standard"`):
@@ -99,6 +114,8 @@ class NormSwapConfig(PreTrainedConfig):
     rope_parameters: RopeParameters | dict | None = None
 
     is_causal: bool = False
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     attention_bias: bool = True
     attention_output_bias: bool | None = None
     qk_norm: bool = False
@@ -131,6 +148,8 @@ class NormSwapConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.attention_output_bias is None:
             self.attention_output_bias = self.attention_bias
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         self._check_fields()
         placements = self.layer_norm_placements
         if self.embedding_norm is None:
@@ -204,6 +223,7 @@ class NormSwapConfig(PreTrainedConfig):
             )
         if self.position_embedding_type == "rope":
             _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "rope needs an even head_dim")
+        self._check_attention_types()
         _require(self.type_vocab_size >= 0, "type_vocab_size", self.type_vocab_size, "must be 0 (none) or more")
         _require(self.hidden_act in ACT2FN, "hidden_act", self.hidden_act, f"allowed are {sorted(ACT2FN)}")
         _require(self.mlp_type in MLP_TYPES, "mlp_type", self.mlp_type, f"allowed types are {list(MLP_TYPES)}")
@@ -225,13 +245,62 @@ class NormSwapConfig(PreTrainedConfig):
         )
         _require(not self.is_decoder, "is_decoder", self.is_decoder, "cross-attention is not supported; use is_causal")
 
+    def _check_attention_types(self) -> None:
+        _require(
+            isinstance(self.layer_types, list | tuple) and len(self.layer_types) == self.num_hidden_layers,
+            "layer_types",
+            self.layer_types,
+            f"needs one value for each of the {self.num_hidden_layers} layers",
+        )
+        for layer_type in self.layer_types:
+            _require(layer_type in LAYER_TYPES, "layer_types", layer_type, f"allowed types are {list(LAYER_TYPES)}")
+        _require(
+            self.sliding_window is None or self.sliding_window >= 1,
+            "sliding_window",
+            self.sliding_window,
+            "must be None or a positive integer",
+        )
+        _require(
+            self.sliding_window is not None or "sliding_attention" not in self.layer_types,
+            "sliding_window",
+            self.sliding_window,
+            "'sliding_attention' layers need a window",
+        )
+        if rope_parameters_by_layer_type(self.rope_parameters):
+            _require(
+                set(self.rope_parameters) == set(self.layer_types),
+                "rope_parameters",
+                self.rope_parameters,
+                f"a dict per layer type needs one entry for each type in layer_types ({sorted(set(self.layer_types))})",
+            )
+
+    def convert_rope_params_to_dict(self, **kwargs):
+        """Fills `rope_type` and `rope_theta` in the rope dict, or in each layer type's (the same in every release)."""
+        rope_theta = kwargs.pop("rope_theta", self.default_theta)
+        self.rope_parameters = kwargs.pop("rope_scaling", None) or self.rope_parameters or {}
+        nested = rope_parameters_by_layer_type(self.rope_parameters)
+        for parameters in self.rope_parameters.values() if nested else [self.rope_parameters]:
+            _require(isinstance(parameters, dict), "rope_parameters", self.rope_parameters, "each entry must be a dict")
+            parameters.setdefault("rope_type", parameters.get("type", "default"))
+            parameters.setdefault("rope_theta", rope_theta)
+        self.standardize_rope_params()
+        return kwargs
+
+    @property
+    def layer_rope_parameters(self) -> dict[str, dict]:
+        """The rope parameters of each layer type in use."""
+        if rope_parameters_by_layer_type(self.rope_parameters):
+            return dict(self.rope_parameters)
+        return dict.fromkeys(self.layer_types, self.rope_parameters)
+
     def _check_rope(self) -> None:
-        rope_type = self.rope_parameters.get("rope_type", "default")
-        _require(rope_type in ROPE_TYPES, "rope_parameters", self.rope_parameters, f"rope_type must be in {ROPE_TYPES}")
-        factor = self.rope_parameters.get("partial_rotary_factor", 1.0)
-        _require(math.isclose(factor, 1.0), "rope_parameters", self.rope_parameters, "partial_rotary_factor must be 1")
+        for parameters in self.layer_rope_parameters.values():
+            rope_type = parameters.get("rope_type", "default")
+            _require(rope_type in ROPE_TYPES, "rope_parameters", self.rope_parameters, f"rope_type must be in {ROPE_TYPES}")
+            factor = parameters.get("partial_rotary_factor", 1.0)
+            _require(math.isclose(factor, 1.0), "rope_parameters", self.rope_parameters, "partial_rotary_factor must be 1")
 
 
 NormSwapConfig.register_for_auto_class()
 
-__all__ = ["NormSwapConfig", "mix_ln_placement", "NORM_PLACEMENTS"]
+__all__ = ["NormSwapConfig", "mix_ln_placement", "NORM_PLACEMENTS", "LAYER_TYPES"]

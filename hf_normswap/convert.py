@@ -147,11 +147,6 @@ def convert_checkpoint(
         "tolerance": {"last_hidden_state": HIDDEN_TOLERANCE, "logits": LOGITS_TOLERANCE},
         "notes": [],
     }
-    if getattr(source_config, "sliding_window", None) and getattr(source_config, "use_sliding_window", True):
-        report["notes"].append(
-            f"the source uses sliding-window attention ({source_config.sliding_window} tokens); NormSwap attends to the "
-            "whole sequence, so the two agree up to that length"
-        )
 
     with output_folder(output, overwrite) as staging:
         tensors = _write_weights(

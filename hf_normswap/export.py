@@ -15,6 +15,10 @@ def _placements(config):
     return set(config.layer_norm_placements)
 
 
+def _all_full(config):
+    return "all full_attention" if set(config.layer_types) == {"full_attention"} else config.layer_types
+
+
 # (field, required value, how to read it off the config); the first one that fails blocks the export.
 _BERT_NEEDS = (
     ("norm_placement", {"post"}, _placements),
@@ -25,6 +29,7 @@ _BERT_NEEDS = (
     ("embedding_norm", True, None),
     ("final_norm", False, None),
     ("is_causal", False, None),
+    ("layer_types", "all full_attention", _all_full),
     ("qk_norm", False, None),
     ("mlp_type", "standard", None),
     ("mlp_bias", True, None),
@@ -43,6 +48,7 @@ _LLAMA_NEEDS = (
     ("embedding_norm", False, None),
     ("final_norm", True, None),
     ("is_causal", True, None),
+    ("layer_types", "all full_attention", _all_full),
     ("qk_norm", False, None),
     ("mlp_type", "glu", None),
     ("attention_output_bias", "attention_bias", lambda c: "attention_bias" if c.attention_output_bias == c.attention_bias else c.attention_output_bias),

@@ -157,6 +157,16 @@ def _bert_fields(source: PreTrainedConfig) -> dict:
     )
 
 
+def attention_types(source: PreTrainedConfig) -> dict:
+    """The source's per-layer attention types and window (Mistral: all layers slide when it has a window)."""
+    window = getattr(source, "sliding_window", None)
+    layer_types = getattr(source, "layer_types", None)
+    if layer_types is None:
+        layer_types = ["full_attention" if window is None else "sliding_attention"] * source.num_hidden_layers
+    layer_types = list(layer_types)
+    return dict(layer_types=layer_types, sliding_window=window if "sliding_attention" in layer_types else None)
+
+
 def _llama_fields(source: PreTrainedConfig) -> dict:
     qwen2 = source.model_type == "qwen2"
     return dict(
@@ -179,6 +189,7 @@ def _llama_fields(source: PreTrainedConfig) -> dict:
         position_embedding_type="rope",
         rope_parameters=dict(source.rope_parameters),
         is_causal=True,
+        **attention_types(source),
         attention_bias=True if qwen2 else getattr(source, "attention_bias", False),
         attention_output_bias=False if qwen2 else getattr(source, "attention_bias", False),
         qk_norm=source.model_type == "qwen3",

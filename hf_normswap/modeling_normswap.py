@@ -7,16 +7,20 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
     create_bidirectional_mask,
+    create_bidirectional_sliding_window_mask,
     create_causal_mask,
+    create_sliding_window_causal_mask,
     find_packed_sequence_indices,
     packed_sequence_mask_function,
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
-    BaseModelOutput,
-    CausalLMOutput,
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
     MaskedLMOutput,
     QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
@@ -29,7 +33,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_normswap import NORM_PLACEMENTS, NormSwapConfig
+from .configuration_normswap import NORM_PLACEMENTS, NormSwapConfig, rope_parameters_by_layer_type
 
 
 AUTO_MAP = {
@@ -123,15 +127,18 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def alibi_attention_mask(
-    attention_mask: torch.Tensor | None, position_ids: torch.Tensor, num_heads: int, is_causal: bool, dtype
+    attention_mask: torch.Tensor | None, num_heads: int, query_length: int, key_length: int, is_causal: bool, dtype, device
 ) -> torch.Tensor:
-    """The additive mask with ALiBi's bias -slope * |i - j| folded in, shaped (batch, heads, query, key)."""
-    distance = (position_ids[:, None, :, None] - position_ids[:, None, None, :]).abs()
-    slopes = alibi_slopes(num_heads).to(position_ids.device)
-    bias = (-slopes[None, :, None, None] * distance).to(dtype)
+    """The additive mask with ALiBi's bias -slope * |i - j| folded in, shaped (batch or 1, heads, query, key).
+
+    The queries are the last `query_length` of the `key_length` keys (a cache holds the keys before them).
+    """
+    key_positions = torch.arange(key_length, device=device)
+    query_positions = key_positions[key_length - query_length :]
+    distance = (query_positions[:, None] - key_positions[None, :]).abs()
+    bias = (-alibi_slopes(num_heads).to(device)[None, :, None, None] * distance).to(dtype)
     if attention_mask is None and is_causal:
-        length = position_ids.shape[-1]
-        attention_mask = torch.ones(length, length, dtype=torch.bool, device=bias.device).tril()
+        attention_mask = key_positions[None, :] <= query_positions[:, None]
     if attention_mask is None:
         return bias
     if attention_mask.dtype == torch.bool:
@@ -239,31 +246,61 @@ class NormSwapEmbeddings(nn.Module):
 
 
 class NormSwapRotaryEmbedding(nn.Module):
-    """Rotary position embeddings from Transformers' `rope_parameters` (every rope type it supports)."""
+    """Rotary position embeddings from Transformers' `rope_parameters` (every rope type it supports): one set of
+    frequencies for all layers, or one per layer type (buffers prefixed with the type, as Gemma 3's)."""
 
     def __init__(self, config: NormSwapConfig):
         super().__init__()
         self.config = config
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
-        self.rope_type = config.rope_parameters["rope_type"]
-        rope_init_fn = ROPE_INIT_FUNCTIONS.get(self.rope_type, self.compute_default_rope_parameters)
-        inv_freq, self.attention_scaling = rope_init_fn(config)
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+        self.by_layer_type = rope_parameters_by_layer_type(config.rope_parameters)
+        self.rope_type = {}
+        for layer_type in sorted(config.rope_parameters) if self.by_layer_type else [None]:
+            parameters = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
+            self.rope_type[layer_type] = parameters["rope_type"]
+            inv_freq, attention_scaling = self.frequencies(layer_type)
+            setattr(self, f"{self.prefix(layer_type)}inv_freq", nn.Buffer(inv_freq, persistent=False))
+            setattr(self, f"{self.prefix(layer_type)}original_inv_freq", nn.Buffer(inv_freq.clone(), persistent=False))
+            setattr(self, f"{self.prefix(layer_type)}attention_scaling", attention_scaling)
+        if not self.by_layer_type:
+            self.rope_type = self.rope_type[None]
 
     @staticmethod
-    def compute_default_rope_parameters(config: NormSwapConfig, *args, **kwargs) -> tuple[torch.Tensor, float]:
-        base = config.rope_parameters["rope_theta"]
-        dim = config.head_dim
+    def prefix(layer_type: str | None) -> str:
+        return f"{layer_type}_" if layer_type else ""
+
+    def frequencies(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+        """The inverse frequencies and attention scaling of one layer type (None: the only set)."""
+        rope_type = self.rope_type[layer_type] if isinstance(self.rope_type, dict) else self.rope_type
+        rope_init_fn = ROPE_INIT_FUNCTIONS.get(rope_type, self.compute_default_rope_parameters)
+        return rope_init_fn(self.config, None, **({"layer_type": layer_type} if layer_type else {}))
+
+    def reset_frequencies(self) -> None:
+        """Recomputes the (non-persistent) frequency buffers, as `_init_weights` must after loading on meta."""
+        for layer_type in sorted(self.config.rope_parameters) if self.by_layer_type else [None]:
+            inv_freq = self.frequencies(layer_type)[0]
+            init.copy_(getattr(self, f"{self.prefix(layer_type)}inv_freq"), inv_freq)
+            init.copy_(getattr(self, f"{self.prefix(layer_type)}original_inv_freq"), inv_freq)
+
+    @staticmethod
+    def compute_default_rope_parameters(
+        config: NormSwapConfig, device=None, layer_type: str | None = None, **kwargs
+    ) -> tuple[torch.Tensor, float]:
+        parameters = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
+        base, dim = parameters["rope_theta"], config.head_dim
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
     @torch.no_grad()
     @dynamic_rope_update
-    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.LongTensor, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        prefix = self.prefix(layer_type)
+        inv_freq, attention_scaling = getattr(self, f"{prefix}inv_freq"), getattr(self, f"{prefix}attention_scaling")
+        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+        return (emb.cos() * attention_scaling).to(x.dtype), (emb.sin() * attention_scaling).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -306,12 +343,19 @@ def eager_attention_forward(
 
 
 class NormSwapAttention(nn.Module):
-    """Multi-head attention with GQA, optional per-head q/k norms and rotary embeddings."""
+    """Multi-head attention with GQA, optional per-head q/k norms, rotary embeddings or ALiBi, a sliding window
+    where the layer type says so, and a KV cache."""
 
     def __init__(self, config: NormSwapConfig, layer_idx: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        self.attention_type = config.layer_types[layer_idx]
+        # the window in flash attention's terms (the masks carry it for the other implementations)
+        self.sliding_window = None
+        if self.attention_type == "sliding_attention":
+            self.sliding_window = config.sliding_window + (0 if config.is_causal else 1)
+        self.alibi = config.position_embedding_type == "alibi"
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
@@ -330,6 +374,7 @@ class NormSwapAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -339,6 +384,18 @@ class NormSwapAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, *position_embeddings)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if self.alibi:
+            attention_mask = alibi_attention_mask(
+                attention_mask,
+                self.config.num_attention_heads,
+                query_states.shape[-2],
+                key_states.shape[-2],
+                self.is_causal,
+                query_states.dtype,
+                query_states.device,
+            )
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -351,6 +408,7 @@ class NormSwapAttention(nn.Module):
             attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
+            sliding_window=self.sliding_window,
             **kwargs,
         )
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
@@ -393,6 +451,7 @@ class NormSwapLayer(GradientCheckpointingLayer):
     def __init__(self, config: NormSwapConfig, layer_idx: int):
         super().__init__()
         placement = config.layer_norm_placements[layer_idx]
+        self.attention_type = config.layer_types[layer_idx]
         self.self_attn = NormSwapAttention(config, layer_idx)
         self.attention_norms = ResidualNorms(config, placement)
         self.mlp = MLP_CLASSES[config.mlp_type](config)
@@ -407,10 +466,11 @@ class NormSwapLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         attn_input = self.attention_norms.normalize_input(hidden_states)
-        attn_output, _ = self.self_attn(attn_input, attention_mask, position_embeddings, **kwargs)
+        attn_output, _ = self.self_attn(attn_input, attention_mask, position_embeddings, past_key_values, **kwargs)
         hidden_states = self.attention_norms.add_residual(hidden_states, attn_output)
         mlp_output = self.mlp(self.mlp_norms.normalize_input(hidden_states))
         return self.mlp_norms.add_residual(hidden_states, mlp_output)
@@ -422,6 +482,7 @@ class NormSwapPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["NormSwapEmbeddings", "NormSwapLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -433,6 +494,8 @@ class NormSwapPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, nn.Linear) and hasattr(module, "init_std_scale"):
             init.normal_(module.weight, std=self.config.initializer_range * module.init_std_scale)
+        elif isinstance(module, NormSwapRotaryEmbedding):
+            module.reset_frequencies()
         elif isinstance(module, NormSwapDyT):
             init.constant_(module.alpha, self.config.dyt_alpha_init)
             init.ones_(module.weight)
@@ -470,35 +533,50 @@ class NormSwapModel(NormSwapPreTrainedModel):
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutput:
+    ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if past_key_values is not None and not self.config.is_causal:
+            raise ValueError("past_key_values needs NormSwapConfig.is_causal=True, got False.")
+        if use_cache and past_key_values is None and self.config.is_causal:
+            past_key_values = DynamicCache(config=self.config)
         inputs = input_ids if inputs_embeds is None else inputs_embeds
         if position_ids is not None:
             position_ids = position_ids.expand(inputs.shape[0], -1)
         sequence_ids = packed_sequence_ids(attention_mask, position_ids, kwargs.get("seq_idx"))
-        if position_ids is None:  # restarting at every sequence of a packed batch
+        if position_ids is None:  # restarting at every sequence of a packed batch; after the cached tokens
             if sequence_ids is not None:
                 position_ids = positions_in_sequence(sequence_ids)
             else:
-                position_ids = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
+                past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+                position_ids = torch.arange(past_seen, past_seen + inputs.shape[1], device=inputs.device).unsqueeze(0)
         if sequence_ids is not None and "flash" in self.config._attn_implementation and "cu_seq_lens_q" not in kwargs:
             kwargs.update(flash_varlen_kwargs(sequence_ids))
 
         hidden_states = self.embeddings(input_ids, inputs_embeds, token_type_ids, position_ids)
-        attention_mask = self._attention_mask(hidden_states, attention_mask, position_ids, sequence_ids)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+        masks = self._attention_masks(hidden_states, attention_mask, past_key_values, sequence_ids)
+        position_embeddings = self._position_embeddings(hidden_states, position_ids)
 
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask, position_embeddings, **kwargs)
-        return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
+            hidden_states = layer(
+                hidden_states,
+                masks[layer.attention_type],
+                position_embeddings[layer.attention_type],
+                past_key_values,
+                **kwargs,
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
-    def _attention_mask(self, inputs_embeds, attention_mask, position_ids, sequence_ids):
-        """The attention-implementation-specific mask: block-diagonal over the sequences of a packed batch (a
-        document mask for flex attention), with ALiBi's bias folded in when configured."""
-        alibi = self.config.position_embedding_type == "alibi"
-        if alibi and self.config._attn_implementation not in ("eager", "sdpa"):
+    def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, sequence_ids) -> dict:
+        """The attention-implementation-specific mask of each layer type, as Transformers' masking utilities build
+        it: causal or bidirectional, full or sliding-window, sized to the cache, and block-diagonal over the sequences
+        of a packed batch (a document mask for flex attention). A dict passes through as is."""
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        if self.config.position_embedding_type == "alibi" and self.config._attn_implementation not in ("eager", "sdpa"):
             raise ValueError(
                 "position_embedding_type='alibi' needs attn_implementation 'eager' or 'sdpa', "
                 f"got {self.config._attn_implementation!r}."
@@ -507,14 +585,23 @@ class NormSwapModel(NormSwapPreTrainedModel):
         if sequence_ids is not None:
             mask_kwargs["and_mask_function"] = packed_sequence_mask_function(sequence_ids)
         if self.config.is_causal:
-            mask = create_causal_mask(**mask_kwargs, past_key_values=None)
+            mask_kwargs["past_key_values"] = past_key_values
+            builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         else:
-            mask = create_bidirectional_mask(**mask_kwargs)
-        if not alibi:
-            return mask
-        position_ids = position_ids.expand(inputs_embeds.shape[0], -1)
-        heads = self.config.num_attention_heads
-        return alibi_attention_mask(mask, position_ids, heads, self.config.is_causal, inputs_embeds.dtype)
+            builders = {
+                "full_attention": create_bidirectional_mask,
+                "sliding_attention": create_bidirectional_sliding_window_mask,
+            }
+        return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in set(self.config.layer_types)}
+
+    def _position_embeddings(self, hidden_states, position_ids) -> dict:
+        """The rotary cos/sin of each layer type (None without rope)."""
+        layer_types = set(self.config.layer_types)
+        if self.rotary_emb is None:
+            return dict.fromkeys(layer_types)
+        if self.rotary_emb.by_layer_type:
+            return {layer_type: self.rotary_emb(hidden_states, position_ids, layer_type) for layer_type in layer_types}
+        return dict.fromkeys(layer_types, self.rotary_emb(hidden_states, position_ids))
 
 
 class NormSwapMaskedLMHead(nn.Module):
@@ -696,8 +783,8 @@ class NormSwapForQuestionAnswering(NormSwapPreTrainedModel):
         )
 
 
-class NormSwapForCausalLM(NormSwapPreTrainedModel):
-    """A causal LM head (no bias), so LLaMA conversions can be checked on logits and swaps scored by perplexity."""
+class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
+    """A causal LM head (no bias): scores text and generates with Transformers' caches."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.word_embeddings.weight"}
 
@@ -723,19 +810,30 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel):
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutput:
-        outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        logits = self.lm_head(outputs.last_hidden_state)
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past_key_values, use_cache, **kwargs
+        )
+        hidden_states = outputs.last_hidden_state
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, kept, :])
         loss = None
         if labels is not None:
             sequence_ids = packed_sequence_ids(attention_mask, position_ids, kwargs.get("seq_idx"))
             if sequence_ids is not None and kwargs.get("shift_labels") is None:
                 kwargs["shift_labels"] = next_token_labels(labels, sequence_ids)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
 
 

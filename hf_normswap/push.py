@@ -18,13 +18,13 @@ from .heads import NATIVE_AUTO_CLASSES, head_of_config
 
 
 CODE_FILES = ("configuration_normswap.py", "modeling_normswap.py")
-PIPELINE_TAGS = {  # NormSwapForCausalLM scores text but does not generate: no pipeline claims it
+PIPELINE_TAGS = {
     "base": "feature-extraction",
     "masked-lm": "fill-mask",
     "sequence-classification": "text-classification",
     "token-classification": "token-classification",
     "question-answering": "question-answering",
-    "causal-lm": None,
+    "causal-lm": "text-generation",
 }
 GLUE_TASKS = ("sst2", "rte")
 TEMPLATE = "normswap_variant.md"

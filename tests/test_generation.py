@@ -1,0 +1,80 @@
+"""Generation with Transformers' caches: converted causal models write exactly the native model's greedy tokens."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
+
+from hf_normswap import NormSwapForCausalLM, convert_checkpoint
+
+from conftest import padded_batch, tiny_config
+from sources import save_source
+
+
+NEW_TOKENS = 32
+
+
+def greedy(model, input_ids, attention_mask):
+    return model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+        do_sample=False, pad_token_id=0,
+    )
+
+
+def left_padded_prompts(vocab_size, lengths=(7, 4)):
+    input_ids, attention_mask = padded_batch(vocab_size=vocab_size, lengths=lengths)
+    return input_ids.flip(1), attention_mask.flip(1)  # generation pads on the left
+
+
+def assert_generates_as_native(tmp_path, model_type, **overrides):
+    native = save_source(tmp_path / "source", model_type, "ForCausalLM", **overrides)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), attention="causal", log=lambda _: None)
+    native = AutoModelForCausalLM.from_pretrained(tmp_path / "source").eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(ours) is NormSwapForCausalLM
+    input_ids, attention_mask = left_padded_prompts(native.config.vocab_size)
+    expected, got = greedy(native, input_ids, attention_mask), greedy(ours, input_ids, attention_mask)
+    assert got.shape == (2, input_ids.shape[1] + NEW_TOKENS)
+    assert torch.equal(expected, got)
+    return ours
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_llama_family_generates_the_native_greedy_tokens(tmp_path, model_type):
+    assert_generates_as_native(tmp_path, model_type)
+
+
+def test_sliding_window_cache_generates_as_mistral(tmp_path):
+    ours = assert_generates_as_native(tmp_path, "mistral", sliding_window=5)
+    assert ours.config.layer_types == ["sliding_attention"] * 2 and ours.config.sliding_window == 5
+    cache = DynamicCache(config=ours.config)
+    assert all(layer.is_sliding for layer in cache.layers)
+
+
+def test_cache_gives_the_same_logits_as_recomputing():
+    for position in ("rope", "alibi", "absolute", "sinusoidal"):
+        model = NormSwapForCausalLM(tiny_config(is_causal=True, position_embedding_type=position, norm_placement="pre",
+                                                layer_types=["sliding_attention", "full_attention"], sliding_window=3)).eval()
+        input_ids, _ = padded_batch(lengths=(10, 10))
+        with torch.no_grad():
+            full = model(input_ids).logits
+            cache = DynamicCache(config=model.config)
+            first = model(input_ids[:, :6], past_key_values=cache, use_cache=True)
+            steps = [model(input_ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(6, 10)]
+        stepped = torch.cat([first.logits, *steps], dim=1)
+        assert (stepped - full).abs().max().item() <= 1e-5, position
+
+
+def test_text_generation_pipeline_and_a_swapped_variant(tmp_path):
+    save_source(tmp_path / "source", "llama", "ForCausalLM")
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "swapped"), attention="causal", norm_placement="post",
+                       log=lambda _: None)
+    generator = pipeline("text-generation", model=str(tmp_path / "swapped"))
+    text = generator("the cat sat on the", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert text.startswith("the cat sat on the") and len(text.split()) > 5
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "swapped")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "swapped")
+    prompt = tokenizer("the cat sat on the", return_tensors="pt")
+    tokens = model.generate(**prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    from_pipeline = generator("the cat sat on the", max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                              return_tensors=True)[0]["generated_token_ids"]
+    assert list(from_pipeline) == tokens[0].tolist()
