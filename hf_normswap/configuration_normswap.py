@@ -21,6 +21,7 @@ NORM_PLACEMENTS = {
 NORM_TYPES = ("layernorm", "rmsnorm", "dyt")
 POSITION_EMBEDDING_TYPES = ("absolute", "sinusoidal", "rope", "alibi", "none")
 MLP_TYPES = ("standard", "glu")
+QK_NORM_SCOPES = ("head", "projection")
 CLASSIFIER_POOLINGS = ("cls", "mean", "last")
 ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -77,7 +78,16 @@ class NormSwapConfig(PreTrainedConfig):
         the `sliding_window - 1` tokens before it (Mistral, Gemma 2); bidirectionally every token at most
         `sliding_window` positions away (ModernBERT's `local_attention // 2`).
     qk_norm (`bool`, defaults to `False`):
-        A per-head norm of `norm_type` on queries and keys.
+        A norm of `norm_type` on queries and keys, before rope.
+    qk_norm_scope (`str`, defaults to `"head"`):
+        What the q/k norm normalizes: each head (Qwen3, Gemma 3) or the whole projection (OLMo 2).
+    query_pre_attn_scalar (`float`, *optional*):
+        Attention scores are scaled by `query_pre_attn_scalar ** -0.5` instead of `head_dim ** -0.5` (Gemma).
+    attn_logit_softcapping / final_logit_softcapping (`float`, *optional*):
+        Soft-capping c * tanh(x / c) of the attention scores (eager, flash and flex; not sdpa) and of the causal LM's
+        logits (Gemma 2).
+    embedding_multiplier (`float`, defaults to 1.0):
+        Scales the token embeddings, in the model's dtype (Gemma's sqrt(hidden_size)).
     mlp_type (`str`, defaults to `"standard"`):
         `"standard"` (up, act, down) or `"glu"` (down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu).
     classifier_pooling (`str`, defaults to `"cls"`):
@@ -119,6 +129,11 @@ class NormSwapConfig(PreTrainedConfig):
     attention_bias: bool = True
     attention_output_bias: bool | None = None
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    query_pre_attn_scalar: float | int | None = None
+    attn_logit_softcapping: float | int | None = None
+    final_logit_softcapping: float | int | None = None
+    embedding_multiplier: float | int = 1.0
     attention_dropout: float | int = 0.0
     hidden_dropout: float | int = 0.1
 
@@ -224,6 +239,16 @@ class NormSwapConfig(PreTrainedConfig):
         if self.position_embedding_type == "rope":
             _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "rope needs an even head_dim")
         self._check_attention_types()
+        _require(
+            self.qk_norm_scope in QK_NORM_SCOPES,
+            "qk_norm_scope",
+            self.qk_norm_scope,
+            f"allowed scopes are {list(QK_NORM_SCOPES)}",
+        )
+        for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, field)
+            _require(value is None or value > 0, field, value, "must be None or positive")
+        _require(self.embedding_multiplier > 0, "embedding_multiplier", self.embedding_multiplier, "must be positive")
         _require(self.type_vocab_size >= 0, "type_vocab_size", self.type_vocab_size, "must be 0 (none) or more")
         _require(self.hidden_act in ACT2FN, "hidden_act", self.hidden_act, f"allowed are {sorted(ACT2FN)}")
         _require(self.mlp_type in MLP_TYPES, "mlp_type", self.mlp_type, f"allowed types are {list(MLP_TYPES)}")

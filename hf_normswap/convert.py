@@ -13,7 +13,7 @@ from .checkpoint import ShardWriter, check_output, output_folder, read_tensors, 
 from .collapse import COLLAPSE_MARGIN, conversion_collapse
 from .configuration_normswap import NormSwapConfig
 from .exact_swaps import apply_exact_swap, keeps_last_hidden_state, plan_exact_swap
-from .families import LLAMA, NORMSWAP, family_of, normswap_config
+from .families import NORMSWAP, family_of, normswap_config
 from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_architecture, local_name
 from .modeling_normswap import AUTO_MAP
 from .norm_mapping import map_norms, norm_slots
@@ -161,9 +161,9 @@ def convert_checkpoint(
         report["target_config"] = target.to_dict()
 
         if verify:
-            plain_model = load_plain(plain, head, tensors)
+            plain_model = load_plain(plain, head, source_family, tensors)
             report["measured"] = _verify(folder, plain_model, staging, head, exact_swap, report, log)
-            report["swap_effect"] = swap_effect(plain_model, staging, head, source_family)
+            report["swap_effect"] = swap_effect(plain_model, staging, head)
             log(_swap_line(report["swap_effect"]))
             report["collapse"] = conversion_collapse(plain_model, staging)
             log(_collapse_line(report["collapse"]))
@@ -205,26 +205,25 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
         written.add(name)
 
     for file in files:
-        for source_name, tensor in read_tensors(file):
+        for source_name, source_tensor in read_tensors(file):
             try:
-                name = family.rename(source_name)
+                converted = family.to_normswap(source_name, source_tensor)
             except KeyError:
                 raise ConversionError(
                     f"{file}: unexpected tensor {source_name!r} for a {family.name}-family checkpoint"
                 ) from None
-            if name is None:
-                continue
-            origins[name] = (file, source_name)
-            norm, parameter = name.rsplit(".", 1)
-            if norm in plain_norms:
-                if norm not in moved_norms:
-                    dropped.append(f"{source_name} (a norm without a slot under the new placement)")
-                    continue
-                name = f"{moved_norms[norm]}.{parameter}"
-            if exact_swap:  # rewritten as a whole below
-                collected[name] = tensor
-            else:
-                place(name, tensor, file, source_name)
+            for name, tensor in converted:
+                origins[name] = (file, source_name)
+                norm, parameter = name.rsplit(".", 1)
+                if norm in plain_norms:
+                    if norm not in moved_norms:
+                        dropped.append(f"{source_name} (a norm without a slot under the new placement)")
+                        continue
+                    name = f"{moved_norms[norm]}.{parameter}"
+                if exact_swap:  # rewritten as a whole below
+                    collected[name] = tensor
+                else:
+                    place(name, tensor, file, source_name)
     if exact_swap:
         for name, tensor in apply_exact_swap(exact_swap, collected, plain, target, head).items():
             place(name, tensor, files[0].parent, f"{name} (after the {exact_swap} swap)")
@@ -262,6 +261,11 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
         "initialized_at_load": at_load,
         "dtype": dtype or str(weights_dtype).removeprefix("torch."),
     }
+    if family.norm_weight_offset and weights_dtype != torch.float32:
+        report["notes"].append(
+            f"the norm weights hold the source's {family.norm_weight_offset:g} + w, rounded to "
+            f"{report['weights']['dtype']}; the source adds in float32, so outputs differ slightly outside float32"
+        )
     return origins
 
 
@@ -294,8 +298,8 @@ def copy_tokenizer_files(folder: Path, destination: Path) -> list[str]:
 
 
 def _copy_tokenizer(folder: Path, family, staging: Path) -> dict:
-    """Copies the tokenizer; a LLaMA-family one is saved as Transformers loads it, with EOS as pad if it had none."""
-    if family is not LLAMA or not any((folder / name).exists() for name in TOKENIZER_FILES):
+    """Copies the tokenizer; a causal family's is saved as Transformers loads it, with EOS as pad if it had none."""
+    if not family.causal or not any((folder / name).exists() for name in TOKENIZER_FILES):
         return {"files": copy_tokenizer_files(folder, staging), "pad_token_added": None}
     tokenizer = AutoTokenizer.from_pretrained(folder)
     added = None
@@ -305,19 +309,20 @@ def _copy_tokenizer(folder: Path, family, staging: Path) -> dict:
     return {"files": files, "pad_token_added": added}
 
 
-def load_plain(plain: NormSwapConfig, head: str, origins: dict) -> torch.nn.Module:
+def load_plain(plain: NormSwapConfig, head: str, family, origins: dict) -> torch.nn.Module:
     """The unswapped NormSwap model, in float32, with the source's tensors read back by name."""
     model = HEAD_CLASSES[head]._from_config(plain, dtype=torch.float32)
     by_file = {}
     for name, (file, source_name) in origins.items():
-        by_file.setdefault(file, {})[source_name] = local_name(name, head)
+        by_file.setdefault(file, set()).add(source_name)
+    expected = set(model.state_dict())
     state = {}
     for file, names in by_file.items():
         for source_name, tensor in read_tensors(file):
             if source_name in names:
-                state[names[source_name]] = tensor.float()
-    expected = set(model.state_dict())
-    state = {name: tensor for name, tensor in state.items() if name in expected}
+                for name, value in family.to_normswap(source_name, tensor.float()):
+                    if local_name(name, head) in expected:
+                        state[local_name(name, head)] = value
     model.load_state_dict(state, strict=False)
     return model.eval()
 
@@ -365,7 +370,7 @@ def _verify(folder, plain_model, staging, head, exact_swap, report, log) -> dict
     unswapped conversion is beyond tolerance; records whether the written model is exact, and how far it is."""
     native = NATIVE_AUTO_CLASSES[head].from_pretrained(folder, dtype=torch.float32).eval()
     plain = plain_model.config
-    if native.config.pad_token_id is None:  # LLaMA-family classifiers find the last token by a pad id
+    if native.config.pad_token_id is None:  # causal-LM classifiers find the last token by a pad id
         native.config.pad_token_id = plain.eos_token_id if isinstance(plain.eos_token_id, int) else 0
     batch = random_batch(plain.vocab_size, native.config.pad_token_id)
     compare_logits = head != "base" and not report["weights"]["initialized_at_load"]

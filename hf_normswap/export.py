@@ -142,9 +142,9 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     native = native.to(next(model.parameters()).dtype)
     state = {}
     for name in native.state_dict():
-        ours_name = family.rename(name)
-        if ours_name is not None:
-            state[name] = ours[local_name(ours_name, head)]
+        tensor = family.from_normswap(name, lambda ours_name: ours[local_name(ours_name, head)])
+        if tensor is not None:
+            state[name] = tensor
     missing = native.load_state_dict(state, strict=False).missing_keys
     tied = set(type(native)._tied_weights_keys or {})
     if set(missing) - tied:

@@ -1,8 +1,11 @@
-"""Source model families: how a BERT- or LLaMA-family checkpoint reads as a NormSwap configuration and weights."""
+"""Source model families: how a checkpoint of a Transformers architecture reads as a NormSwap configuration and
+weights. Each family is one declarative entry: names, tensor layouts, and the NormSwap fields of a source config."""
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedConfig
 
 from .configuration_normswap import NormSwapConfig
@@ -18,6 +21,11 @@ class Family:
     base_prefixes: tuple[str, ...]
     renames: tuple[tuple[str, str], ...]
     dropped: tuple[str, ...]
+    fields: Callable[[PreTrainedConfig], dict] | None  # NormSwap fields computing what a source computes (None: NormSwap)
+    causal: bool = False  # causal LMs: verified in causal mode, tokenizers get a pad token, swaps scored by perplexity
+    transposed: tuple[str, ...] = ()  # source tensors stored (in, out), as GPT-2's Conv1D: transposed on the way
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # a fused NormSwap name part -> its equal parts (dim 0)
+    norm_weight_offset: float = 0.0  # source norms scale by (offset + w), as Gemma's (1 + w): folded into w
 
     def rename(self, key: str) -> str | None:
         """The NormSwap name (as in a `NormSwapFor...` head, body under `model.`) of a source tensor, or None to drop."""
@@ -34,98 +42,32 @@ class Family:
                 return new_key
         raise KeyError(key)
 
+    def to_normswap(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The NormSwap tensors (name, value) that a source tensor becomes: none when dropped, several when fused."""
+        name = self.rename(key)
+        if name is None:
+            return []
+        if any(re.search(pattern, key) for pattern in self.transposed):
+            tensor = tensor.t().contiguous()
+        if self.norm_weight_offset and name.endswith("norm.weight"):
+            tensor = (tensor.float() + self.norm_weight_offset).to(tensor.dtype)
+        for part, parts in self.fused:
+            if part in name:
+                return [(name.replace(part, new), chunk) for new, chunk in zip(parts, tensor.chunk(len(parts)))]
+        return [(name, tensor)]
 
-_BERT_LAYER = r"^encoder\.layer\.(\d+)\."
-BERT = Family(
-    name="bert",
-    model_types=("bert", "roberta", "xlm-roberta"),
-    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
-    base_prefixes=("bert.", "roberta."),
-    renames=(
-        (r"^embeddings\.LayerNorm\.", "model.embeddings.norm."),
-        (r"^embeddings\.", "model.embeddings."),
-        (_BERT_LAYER + r"attention\.self\.query\.", r"model.layers.\1.self_attn.q_proj."),
-        (_BERT_LAYER + r"attention\.self\.key\.", r"model.layers.\1.self_attn.k_proj."),
-        (_BERT_LAYER + r"attention\.self\.value\.", r"model.layers.\1.self_attn.v_proj."),
-        (_BERT_LAYER + r"attention\.output\.dense\.", r"model.layers.\1.self_attn.o_proj."),
-        (_BERT_LAYER + r"attention\.output\.LayerNorm\.", r"model.layers.\1.attention_norms.residual_norm."),
-        (_BERT_LAYER + r"intermediate\.dense\.", r"model.layers.\1.mlp.up_proj."),
-        (_BERT_LAYER + r"output\.dense\.", r"model.layers.\1.mlp.down_proj."),
-        (_BERT_LAYER + r"output\.LayerNorm\.", r"model.layers.\1.mlp_norms.residual_norm."),
-        (r"^pooler\.dense\.", "pooler.dense."),
-        (r"^cls\.predictions\.transform\.dense\.", "lm_head.dense."),
-        (r"^cls\.predictions\.transform\.LayerNorm\.", "lm_head.norm."),
-        (r"^cls\.predictions\.decoder\.weight$", "lm_head.decoder.weight"),
-        (r"^cls\.predictions\.bias$", "lm_head.decoder.bias"),
-        (r"^lm_head\.layer_norm\.", "lm_head.norm."),
-        (r"^lm_head\.bias$", "lm_head.decoder.bias"),
-        (r"^lm_head\.(dense|decoder)\.weight$", r"lm_head.\1.weight"),
-        (r"^lm_head\.dense\.bias$", "lm_head.dense.bias"),
-        (r"^classifier\.dense\.", "pooler.dense."),
-        (r"^classifier\.out_proj\.", "classifier."),
-        (r"^classifier\.", "classifier."),
-        (r"^qa_outputs\.", "qa_outputs."),
-    ),
-    dropped=(
-        r"embeddings\.position_ids",
-        r"cls\.predictions\.decoder\.bias",
-        r"lm_head\.decoder\.bias",
-        r"cls\.seq_relationship\..*",
-    ),
-)
-
-_LLAMA_LAYER = r"^layers\.(\d+)\."
-LLAMA = Family(
-    name="llama",
-    model_types=("llama", "mistral", "qwen2", "qwen3"),
-    heads=("base", "causal-lm", "sequence-classification"),
-    base_prefixes=("model.",),
-    renames=(
-        (r"^embed_tokens\.", "model.embeddings.word_embeddings."),
-        (_LLAMA_LAYER + r"input_layernorm\.", r"model.layers.\1.attention_norms.input_norm."),
-        (_LLAMA_LAYER + r"post_attention_layernorm\.", r"model.layers.\1.mlp_norms.input_norm."),
-        (_LLAMA_LAYER + r"(self_attn|mlp)\.", r"model.layers.\1.\2."),
-        (r"^norm\.", "model.norm."),
-        (r"^lm_head\.", "lm_head."),
-        (r"^score\.", "classifier."),
-    ),
-    dropped=(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"rotary_emb\.inv_freq"),
-)
-
-NORMSWAP = Family(
-    name="normswap",
-    model_types=("normswap",),
-    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering", "causal-lm"),
-    base_prefixes=(),
-    renames=((r"^(model|pooler|classifier|qa_outputs|lm_head)\.", r"\1."), (r"^", "model.")),
-    dropped=(),
-)
-
-FAMILIES = (BERT, LLAMA, NORMSWAP)
-SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
-
-
-def family_of(config: PreTrainedConfig) -> Family:
-    """The family of a source configuration, or a ValueError listing what is supported."""
-    for family in FAMILIES:
-        if config.model_type in family.model_types:
-            return family
-    raise ValueError(
-        f"model_type {config.model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
-    )
-
-
-def normswap_config(source: PreTrainedConfig, **overrides) -> NormSwapConfig:
-    """The NormSwap configuration that computes what `source` computes (LLaMA family: in causal mode)."""
-    family = family_of(source)
-    if family is NORMSWAP:
-        return NormSwapConfig.from_dict({**source.to_dict(), **overrides})
-    fields = _bert_fields(source) if family is BERT else _llama_fields(source)
-    for name in ("id2label", "label2id", "problem_type", "bos_token_id", "eos_token_id"):
-        if getattr(source, name, None) is not None:
-            fields[name] = getattr(source, name)
-    fields.update(overrides)
-    return NormSwapConfig(**fields)
+    def from_normswap(self, key: str, tensors: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
+        """The source tensor `key` rebuilt from NormSwap tensors (looked up by name), or None if it is dropped."""
+        name = self.rename(key)
+        if name is None:
+            return None
+        fused = next(((part, parts) for part, parts in self.fused if part in name), None)
+        tensor = torch.cat([tensors(name.replace(fused[0], new)) for new in fused[1]]) if fused else tensors(name)
+        if self.norm_weight_offset and name.endswith("norm.weight"):
+            tensor = (tensor.float() - self.norm_weight_offset).to(tensor.dtype)
+        if any(re.search(pattern, key) for pattern in self.transposed):
+            tensor = tensor.t().contiguous()
+        return tensor
 
 
 def _bert_fields(source: PreTrainedConfig) -> dict:
@@ -202,3 +144,265 @@ def _llama_fields(source: PreTrainedConfig) -> dict:
         pad_token_id=source.pad_token_id,
         tie_word_embeddings=source.tie_word_embeddings,
     )
+
+
+def _refuse(source: PreTrainedConfig, field: str, value, why: str) -> None:
+    if getattr(source, field, None) == value:
+        raise ValueError(f"{source.model_type} with {field}={value!r} is not supported: {why}")
+
+
+def _gpt2_fields(source: PreTrainedConfig) -> dict:
+    _refuse(source, "scale_attn_by_inverse_layer_idx", True, "NormSwap scales attention the same in every layer")
+    _refuse(source, "add_cross_attention", True, "NormSwap has no cross-attention")
+    return dict(
+        vocab_size=source.vocab_size,
+        hidden_size=source.n_embd,
+        intermediate_size=source.n_inner or 4 * source.n_embd,
+        num_hidden_layers=source.n_layer,
+        num_attention_heads=source.n_head,
+        hidden_act=source.activation_function,
+        max_position_embeddings=source.n_positions,
+        type_vocab_size=0,
+        initializer_range=source.initializer_range,
+        norm_placement="pre",
+        norm_type="layernorm",
+        norm_eps=source.layer_norm_epsilon,
+        embedding_norm=False,
+        final_norm=True,
+        position_embedding_type="absolute",
+        is_causal=True,
+        query_pre_attn_scalar=None if source.scale_attn_weights else 1.0,
+        attention_bias=True,
+        mlp_type="standard",
+        mlp_bias=True,
+        hidden_dropout=source.resid_pdrop,
+        attention_dropout=source.attn_pdrop,
+        classifier_pooling="last",
+        classifier_bias=False,
+        pad_token_id=source.pad_token_id,
+        tie_word_embeddings=source.tie_word_embeddings,
+    )
+
+
+def _rope_of_layer_types(source: PreTrainedConfig, layer_types: list[str]) -> dict:
+    """The source's rope parameters; a per-layer-type dict keeps the types in use."""
+    rope = dict(source.rope_parameters)
+    if set(rope) <= {"full_attention", "sliding_attention"}:
+        return {layer_type: dict(rope[layer_type]) for layer_type in sorted(set(layer_types))}
+    return rope
+
+
+def _gemma_fields(source: PreTrainedConfig) -> dict:
+    _refuse(source, "use_bidirectional_attention", True, "convert the causal model and pass --attention bidirectional")
+    types = attention_types(source)
+    return dict(
+        vocab_size=source.vocab_size,
+        hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size,
+        num_hidden_layers=source.num_hidden_layers,
+        num_attention_heads=source.num_attention_heads,
+        num_key_value_heads=source.num_key_value_heads,
+        head_dim=source.head_dim,
+        hidden_act=source.hidden_activation,
+        max_position_embeddings=source.max_position_embeddings,
+        type_vocab_size=0,
+        initializer_range=source.initializer_range,
+        norm_placement="sandwich",
+        norm_type="rmsnorm",
+        norm_eps=source.rms_norm_eps,
+        embedding_norm=False,
+        final_norm=True,
+        embedding_multiplier=source.hidden_size**0.5,
+        position_embedding_type="rope",
+        rope_parameters=_rope_of_layer_types(source, types["layer_types"]),
+        is_causal=True,
+        **types,
+        attention_bias=source.attention_bias,
+        qk_norm=source.model_type == "gemma3_text",
+        query_pre_attn_scalar=source.query_pre_attn_scalar,
+        attn_logit_softcapping=source.attn_logit_softcapping,
+        final_logit_softcapping=source.final_logit_softcapping,
+        mlp_type="glu",
+        mlp_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=source.attention_dropout,
+        classifier_pooling="last",
+        classifier_bias=False,
+        pad_token_id=source.pad_token_id,
+        tie_word_embeddings=source.tie_word_embeddings,
+    )
+
+
+def _olmo2_fields(source: PreTrainedConfig) -> dict:
+    return dict(
+        _llama_fields(source),
+        norm_placement="output",
+        qk_norm=True,
+        qk_norm_scope="projection",
+        attention_bias=source.attention_bias,
+        attention_output_bias=source.attention_bias,
+        mlp_bias=False,
+    )
+
+_BERT_LAYER = r"^encoder\.layer\.(\d+)\."
+BERT = Family(
+    name="bert",
+    model_types=("bert", "roberta", "xlm-roberta"),
+    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+    base_prefixes=("bert.", "roberta."),
+    renames=(
+        (r"^embeddings\.LayerNorm\.", "model.embeddings.norm."),
+        (r"^embeddings\.", "model.embeddings."),
+        (_BERT_LAYER + r"attention\.self\.query\.", r"model.layers.\1.self_attn.q_proj."),
+        (_BERT_LAYER + r"attention\.self\.key\.", r"model.layers.\1.self_attn.k_proj."),
+        (_BERT_LAYER + r"attention\.self\.value\.", r"model.layers.\1.self_attn.v_proj."),
+        (_BERT_LAYER + r"attention\.output\.dense\.", r"model.layers.\1.self_attn.o_proj."),
+        (_BERT_LAYER + r"attention\.output\.LayerNorm\.", r"model.layers.\1.attention_norms.residual_norm."),
+        (_BERT_LAYER + r"intermediate\.dense\.", r"model.layers.\1.mlp.up_proj."),
+        (_BERT_LAYER + r"output\.dense\.", r"model.layers.\1.mlp.down_proj."),
+        (_BERT_LAYER + r"output\.LayerNorm\.", r"model.layers.\1.mlp_norms.residual_norm."),
+        (r"^pooler\.dense\.", "pooler.dense."),
+        (r"^cls\.predictions\.transform\.dense\.", "lm_head.dense."),
+        (r"^cls\.predictions\.transform\.LayerNorm\.", "lm_head.norm."),
+        (r"^cls\.predictions\.decoder\.weight$", "lm_head.decoder.weight"),
+        (r"^cls\.predictions\.bias$", "lm_head.decoder.bias"),
+        (r"^lm_head\.layer_norm\.", "lm_head.norm."),
+        (r"^lm_head\.bias$", "lm_head.decoder.bias"),
+        (r"^lm_head\.(dense|decoder)\.weight$", r"lm_head.\1.weight"),
+        (r"^lm_head\.dense\.bias$", "lm_head.dense.bias"),
+        (r"^classifier\.dense\.", "pooler.dense."),
+        (r"^classifier\.out_proj\.", "classifier."),
+        (r"^classifier\.", "classifier."),
+        (r"^qa_outputs\.", "qa_outputs."),
+    ),
+    dropped=(
+        r"embeddings\.position_ids",
+        r"cls\.predictions\.decoder\.bias",
+        r"lm_head\.decoder\.bias",
+        r"cls\.seq_relationship\..*",
+    ),
+    fields=_bert_fields,
+)
+
+_LLAMA_LAYER = r"^layers\.(\d+)\."
+LLAMA = Family(
+    name="llama",
+    model_types=("llama", "mistral", "qwen2", "qwen3"),
+    heads=("base", "causal-lm", "sequence-classification"),
+    base_prefixes=("model.",),
+    renames=(
+        (r"^embed_tokens\.", "model.embeddings.word_embeddings."),
+        (_LLAMA_LAYER + r"input_layernorm\.", r"model.layers.\1.attention_norms.input_norm."),
+        (_LLAMA_LAYER + r"post_attention_layernorm\.", r"model.layers.\1.mlp_norms.input_norm."),
+        (_LLAMA_LAYER + r"(self_attn|mlp)\.", r"model.layers.\1.\2."),
+        (r"^norm\.", "model.norm."),
+        (r"^lm_head\.", "lm_head."),
+        (r"^score\.", "classifier."),
+    ),
+    dropped=(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"rotary_emb\.inv_freq"),
+    fields=_llama_fields,
+    causal=True,
+)
+
+_GPT2_LAYER = r"^h\.(\d+)\."
+GPT2 = Family(
+    name="gpt2",
+    model_types=("gpt2",),
+    heads=("base", "causal-lm", "sequence-classification"),
+    base_prefixes=("transformer.",),
+    renames=(
+        (r"^wte\.", "model.embeddings.word_embeddings."),
+        (r"^wpe\.", "model.embeddings.position_embeddings."),
+        (_GPT2_LAYER + r"ln_1\.", r"model.layers.\1.attention_norms.input_norm."),
+        (_GPT2_LAYER + r"attn\.c_attn\.", r"model.layers.\1.self_attn.qkv_proj."),
+        (_GPT2_LAYER + r"attn\.c_proj\.", r"model.layers.\1.self_attn.o_proj."),
+        (_GPT2_LAYER + r"ln_2\.", r"model.layers.\1.mlp_norms.input_norm."),
+        (_GPT2_LAYER + r"mlp\.c_fc\.", r"model.layers.\1.mlp.up_proj."),
+        (_GPT2_LAYER + r"mlp\.c_proj\.", r"model.layers.\1.mlp.down_proj."),
+        (r"^ln_f\.", "model.norm."),
+        (r"^lm_head\.", "lm_head."),
+        (r"^score\.", "classifier."),
+    ),
+    dropped=(r"h\.\d+\.attn\.(bias|masked_bias)",),
+    fields=_gpt2_fields,
+    causal=True,
+    transposed=(r"(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$",),
+    fused=((".qkv_proj.", (".q_proj.", ".k_proj.", ".v_proj.")),),
+)
+
+# Gemma 2 and Gemma 3 (text): sandwich norms, their RMSNorm's (1 + w) folded into w.
+GEMMA = Family(
+    name="gemma",
+    model_types=("gemma2", "gemma3_text"),
+    heads=("base", "causal-lm"),
+    base_prefixes=("model.",),
+    renames=(
+        (r"^embed_tokens\.", "model.embeddings.word_embeddings."),
+        (_LLAMA_LAYER + r"input_layernorm\.", r"model.layers.\1.attention_norms.input_norm."),
+        (_LLAMA_LAYER + r"post_attention_layernorm\.", r"model.layers.\1.attention_norms.output_norm."),
+        (_LLAMA_LAYER + r"pre_feedforward_layernorm\.", r"model.layers.\1.mlp_norms.input_norm."),
+        (_LLAMA_LAYER + r"post_feedforward_layernorm\.", r"model.layers.\1.mlp_norms.output_norm."),
+        (_LLAMA_LAYER + r"(self_attn|mlp)\.", r"model.layers.\1.\2."),
+        (r"^norm\.", "model.norm."),
+        (r"^lm_head\.", "lm_head."),
+    ),
+    dropped=(r"rotary_emb\..*",),
+    fields=_gemma_fields,
+    causal=True,
+    norm_weight_offset=1.0,
+)
+
+# OLMo 2: output norms x + N(F(x)), q/k norms over the whole projection.
+OLMO2 = Family(
+    name="olmo2",
+    model_types=("olmo2",),
+    heads=("base", "causal-lm"),
+    base_prefixes=("model.",),
+    renames=(
+        (r"^embed_tokens\.", "model.embeddings.word_embeddings."),
+        (_LLAMA_LAYER + r"post_attention_layernorm\.", r"model.layers.\1.attention_norms.output_norm."),
+        (_LLAMA_LAYER + r"post_feedforward_layernorm\.", r"model.layers.\1.mlp_norms.output_norm."),
+        (_LLAMA_LAYER + r"(self_attn|mlp)\.", r"model.layers.\1.\2."),
+        (r"^norm\.", "model.norm."),
+        (r"^lm_head\.", "lm_head."),
+    ),
+    dropped=(r"rotary_emb\..*",),
+    fields=_olmo2_fields,
+    causal=True,
+)
+
+NORMSWAP = Family(
+    name="normswap",
+    model_types=("normswap",),
+    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering", "causal-lm"),
+    base_prefixes=(),
+    renames=((r"^(model|pooler|classifier|qa_outputs|lm_head)\.", r"\1."), (r"^", "model.")),
+    dropped=(),
+    fields=None,
+)
+
+FAMILIES = (BERT, LLAMA, GPT2, GEMMA, OLMO2, NORMSWAP)
+SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
+
+
+def family_of(config: PreTrainedConfig) -> Family:
+    """The family of a source configuration, or a ValueError listing what is supported."""
+    for family in FAMILIES:
+        if config.model_type in family.model_types:
+            return family
+    raise ValueError(
+        f"model_type {config.model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+    )
+
+
+def normswap_config(source: PreTrainedConfig, **overrides) -> NormSwapConfig:
+    """The NormSwap configuration that computes what `source` computes (causal families: in causal mode)."""
+    family = family_of(source)
+    if family is NORMSWAP:
+        return NormSwapConfig.from_dict({**source.to_dict(), **overrides})
+    fields = family.fields(source)
+    for name in ("id2label", "label2id", "problem_type", "bos_token_id", "eos_token_id"):
+        if getattr(source, name, None) is not None:
+            fields[name] = getattr(source, name)
+    fields.update(overrides)
+    return NormSwapConfig(**fields)

@@ -42,6 +42,7 @@ _ARCHITECTURE_SUFFIXES = {
     "ForTokenClassification": "token-classification",
     "ForQuestionAnswering": "question-answering",
     "ForCausalLM": "causal-lm",
+    "LMHeadModel": "causal-lm",
     "Model": "base",
 }
 

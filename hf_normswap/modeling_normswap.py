@@ -218,6 +218,7 @@ class NormSwapEmbeddings(nn.Module):
         self.position_embedding_type = config.position_embedding_type
         self.position_offset = config.position_offset
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.embedding_multiplier = config.embedding_multiplier
         if config.type_vocab_size > 0:
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         if config.position_embedding_type == "absolute":
@@ -232,7 +233,11 @@ class NormSwapEmbeddings(nn.Module):
         token_type_ids: torch.LongTensor | None,
         position_ids: torch.LongTensor,
     ) -> torch.Tensor:
-        embeddings = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        embeddings = inputs_embeds
+        if inputs_embeds is None:
+            embeddings = self.word_embeddings(input_ids)
+            if self.embedding_multiplier != 1.0:
+                embeddings = embeddings * torch.tensor(self.embedding_multiplier, dtype=embeddings.dtype)
         if hasattr(self, "token_type_embeddings"):
             if token_type_ids is None:
                 token_type_ids = torch.zeros(embeddings.shape[:-1], dtype=torch.long, device=embeddings.device)
@@ -329,11 +334,14 @@ def eager_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
+    softcap: float | None = None,
     **kwargs: Unpack[TransformersKwargs],
 ):
     key = repeat_kv(key, module.num_key_value_groups)
     value = repeat_kv(value, module.num_key_value_groups)
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        attn_weights = torch.tanh(attn_weights / softcap) * softcap
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
     attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -358,7 +366,7 @@ class NormSwapAttention(nn.Module):
         self.alibi = config.position_embedding_type == "alibi"
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
+        self.scaling = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = config.is_causal
         q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
@@ -366,8 +374,10 @@ class NormSwapAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_output_bias)
-        self.q_norm = build_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
-        self.k_norm = build_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        self.qk_norm_per_head = config.qk_norm_scope == "head"
+        q_norm_size, k_norm_size = (self.head_dim, self.head_dim) if self.qk_norm_per_head else (q_size, kv_size)
+        self.q_norm = build_norm(config, q_norm_size) if config.qk_norm else nn.Identity()
+        self.k_norm = build_norm(config, k_norm_size) if config.qk_norm else nn.Identity()
 
     def forward(
         self,
@@ -379,8 +389,11 @@ class NormSwapAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        query_states, key_states = self.q_proj(hidden_states), self.k_proj(hidden_states)
+        if self.qk_norm_per_head:
+            query_states, key_states = query_states.view(hidden_shape), key_states.view(hidden_shape)
+        query_states = self.q_norm(query_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_norm(key_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, *position_embeddings)
@@ -409,6 +422,7 @@ class NormSwapAttention(nn.Module):
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
             sliding_window=self.sliding_window,
+            softcap=self.config.attn_logit_softcapping,
             **kwargs,
         )
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
@@ -484,10 +498,14 @@ class NormSwapPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["NormSwapEmbeddings", "NormSwapLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _supports_flash_attn = True
-    _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": NormSwapLayer, "attentions": NormSwapAttention}
+
+    @property
+    def _supports_sdpa(self) -> bool:
+        """sdpa cannot soft-cap attention scores."""
+        return self.config.attn_logit_softcapping is None
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
@@ -822,6 +840,9 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
         hidden_states = outputs.last_hidden_state
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, kept, :])
+        if self.config.final_logit_softcapping is not None:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
         loss = None
         if labels is not None:
             sequence_ids = packed_sequence_ids(attention_mask, position_ids, kwargs.get("seq_idx"))

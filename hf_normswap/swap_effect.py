@@ -5,7 +5,6 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from .families import BERT, LLAMA, Family
 from .heads import HEAD_CLASSES
 
 
@@ -19,7 +18,7 @@ SENTENCES = [
 ]
 
 
-def swap_effect(before: torch.nn.Module, after_folder: Path, head: str, family: Family, seed: int = 0) -> dict:
+def swap_effect(before: torch.nn.Module, after_folder: Path, head: str, seed: int = 0) -> dict:
     """Compares the unswapped model with the written one on a few sentences (random tokens without a tokenizer)."""
     after = HEAD_CLASSES[head].from_pretrained(after_folder, dtype=torch.float32).eval()
     tokenizer = _tokenizer(after_folder)
@@ -32,11 +31,11 @@ def swap_effect(before: torch.nn.Module, after_folder: Path, head: str, family: 
         batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
     with torch.no_grad():
-        if tokenizer is not None and family is BERT and head == "masked-lm":
+        if tokenizer is not None and head == "masked-lm":
             labels = mask_every_sixth(batch, tokenizer)
             before_loss = before(**batch, labels=labels).loss.item()
             return {"metric": "masked_lm_loss", "before": before_loss, "after": after(**batch, labels=labels).loss.item()}
-        if tokenizer is not None and family is LLAMA and head == "causal-lm":
+        if tokenizer is not None and head == "causal-lm":
             labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
             before_ppl = before(**batch, labels=labels).loss.exp().item()
             return {"metric": "perplexity", "before": before_ppl, "after": after(**batch, labels=labels).loss.exp().item()}

@@ -45,20 +45,34 @@ LLAMA_FAMILY = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 8}),
 }
+# Causal families beyond LLaMA, with the features they convert exactly: the special tokens are the tokenizer's,
+# windows (4) shorter than the test sequences (16), a query scale that is not head_dim's.
+SPECIAL_IDS = {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
+GEMMA = {"num_key_value_heads": 2, "head_dim": 8, "query_pre_attn_scalar": 16, "sliding_window": 4,
+         "layer_types": ["sliding_attention", "full_attention"], **SPECIAL_IDS}
+CAUSAL_FAMILY = {
+    "gpt2": ("GPT2Config", {"n_inner": 64, **SPECIAL_IDS}),
+    "gemma2": ("Gemma2Config", {**GEMMA, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0}),
+    "gemma3_text": ("Gemma3TextConfig", {**GEMMA, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+    "olmo2": ("Olmo2Config", {"num_key_value_heads": 2, **SPECIAL_IDS}),
+}
 ARCHITECTURE_PREFIX = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "llama": "Llama",
-                       "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+                       "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt2": "GPT2",
+                       "gemma2": "Gemma2", "gemma3_text": "Gemma3", "olmo2": "Olmo2"}
 
 
 def save_source(folder: Path, model_type: str, head_suffix: str, seed: int = 0, tokenizer: bool = True, **overrides):
     """Saves a tiny `<Prefix><head_suffix>` model (e.g. BertForMaskedLM) with a tokenizer; returns the model."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    llama = model_type in LLAMA_FAMILY
-    config_name, fields = (LLAMA_FAMILY if llama else BERT_FAMILY)[model_type]
+    llama = model_type not in BERT_FAMILY
+    config_name, fields = {**BERT_FAMILY, **LLAMA_FAMILY, **CAUSAL_FAMILY}[model_type]
     vocab_size = 64
     if tokenizer:
         vocab_size = (llama_tokenizer if llama else bert_tokenizer)(folder)
-    extra = {"num_key_value_heads": 2} if llama else {}
+    extra = {"num_key_value_heads": 2} if model_type in LLAMA_FAMILY else {}
     config = getattr(transformers, config_name)(vocab_size=vocab_size, **SHAPE, **extra, **{**fields, **overrides})
     if not llama and model_type != "bert":
         config.max_position_embeddings = 64 + config.pad_token_id + 1
@@ -66,7 +80,7 @@ def save_source(folder: Path, model_type: str, head_suffix: str, seed: int = 0, 
     model = getattr(transformers, ARCHITECTURE_PREFIX[model_type] + head_suffix)(config).eval()
     with torch.no_grad():  # non-trivial norms, so that misplaced norm weights show
         for name, parameter in model.named_parameters():
-            if "norm" in name.lower():
+            if "norm" in name.lower() or ".ln_" in name:
                 parameter.add_(0.1 * torch.randn_like(parameter))
     model.save_pretrained(folder)
     return model
