@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2Model
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, OPTConfig, OPTModel
 
 from hf_normswap import NormSwapConfig, convert_checkpoint
 from hf_normswap.cli import main as cli
@@ -203,12 +203,13 @@ def test_sharded_source_gives_sharded_output_and_dtype(tmp_path):
 # Bad input: one-line errors, nothing left on disk.
 
 def test_unsupported_architecture_is_refused(tmp_path, capsys):
-    GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    OPTModel(OPTConfig(num_hidden_layers=1, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=64,
+                       word_embed_proj_dim=32)).save_pretrained(tmp_path / "opt")
     capsys.readouterr()
-    assert cli(["convert", str(tmp_path / "gpt2"), str(tmp_path / "out")]) == 1
+    assert cli(["convert", str(tmp_path / "opt"), str(tmp_path / "out")]) == 1
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1
-    assert "model_type 'gpt2' is not supported; supported model types: bert, roberta, xlm-roberta, llama, mistral, qwen2, qwen3" in error
+    assert "model_type 'opt' is not supported; supported model types: bert, roberta, xlm-roberta, llama, mistral, qwen2, qwen3, gpt2" in error
     no_leftovers(tmp_path, tmp_path / "out")
 
 
