@@ -23,7 +23,7 @@ def _placement(value: str) -> str | list[str]:
 
 
 def _add_convert(commands) -> None:
-    parser = commands.add_parser("convert", help="put a BERT-, LLaMA-family or NormSwap checkpoint on NormSwap")
+    parser = commands.add_parser("convert", help="put a supported pretrained or NormSwap checkpoint on NormSwap")
     parser.add_argument("source", help="local folder or Hub id")
     parser.add_argument("output", help="folder to write")
     parser.add_argument("--norm-placement", type=_placement, help=f"one of {', '.join(NORM_PLACEMENTS)} (or one per layer, comma-separated); default: the source's")
@@ -60,7 +60,7 @@ def _run_convert(args) -> None:
 
 
 def _add_export(commands) -> None:
-    parser = commands.add_parser("export-native", help="write a NormSwap checkpoint as native BERT / LLaMA classes")
+    parser = commands.add_parser("export-native", help="write a NormSwap checkpoint as its native Transformers classes")
     parser.add_argument("source", help="NormSwap checkpoint folder or Hub id")
     parser.add_argument("output", help="folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")

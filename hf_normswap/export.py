@@ -1,13 +1,24 @@
-"""Write a NormSwap checkpoint back as Transformers' own BERT or LLaMA classes, when its configuration allows."""
+"""Write a NormSwap checkpoint back as Transformers' own classes (BERT, LLaMA, GPT-2, Gemma 2/3, OLMo 2), when its
+configuration allows."""
 
+import copy
 from pathlib import Path
 
-from transformers import AutoConfig, BertConfig, BertModel, LlamaConfig
+from transformers import (
+    AutoConfig,
+    BertConfig,
+    BertModel,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    Olmo2Config,
+)
 
 from .checkpoint import output_folder
-from .configuration_normswap import NormSwapConfig
+from .configuration_normswap import NormSwapConfig, rope_parameters_by_layer_type
 from .convert import ConversionError, copy_tokenizer_files, resolve_source
-from .families import BERT, LLAMA, Family
+from .families import BERT, GEMMA, GPT2, LLAMA, OLMO2, Family
 from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
 
 
@@ -19,7 +30,27 @@ def _all_full(config):
     return "all full_attention" if set(config.layer_types) == {"full_attention"} else config.layer_types
 
 
-# (field, required value, how to read it off the config); the first one that fails blocks the export.
+def _same(field: str, other: str):
+    """Reads `field` as the name `other` when the two are equal."""
+    return lambda c: other if getattr(c, field) == getattr(c, other) else getattr(c, field)
+
+
+_MHA = ("num_key_value_heads", "num_attention_heads", _same("num_key_value_heads", "num_attention_heads"))
+_HEAD_DIM = (
+    "head_dim",
+    "hidden_size // num_attention_heads",
+    lambda c: "hidden_size // num_attention_heads" if c.head_dim * c.num_attention_heads == c.hidden_size else c.head_dim,
+)
+_PLAIN_ATTENTION = (  # what BERT, LLaMA, GPT-2 and OLMo 2 cannot represent
+    ("query_pre_attn_scalar", None, None),
+    ("attn_logit_softcapping", None, None),
+    ("final_logit_softcapping", None, None),
+    ("embedding_multiplier", 1.0, None),
+)
+_FLAT_ROPE = ("rope_parameters", "one dict for all layers", lambda c: "one dict for all layers"
+              if not rope_parameters_by_layer_type(c.rope_parameters) else c.rope_parameters)
+
+# (field, required value, how to read it off the config); every one that fails blocks the export.
 _BERT_NEEDS = (
     ("norm_placement", {"post"}, _placements),
     ("norm_type", "layernorm", None),
@@ -35,26 +66,87 @@ _BERT_NEEDS = (
     ("mlp_bias", True, None),
     ("attention_bias", True, None),
     ("attention_output_bias", True, None),
-    ("num_key_value_heads", "num_attention_heads", lambda c: "num_attention_heads" if c.num_key_value_heads == c.num_attention_heads else c.num_key_value_heads),
-    ("head_dim", "hidden_size // num_attention_heads", lambda c: "hidden_size // num_attention_heads" if c.head_dim * c.num_attention_heads == c.hidden_size else c.head_dim),
+    _MHA,
+    _HEAD_DIM,
     ("type_vocab_size", "at least 1", lambda c: "at least 1" if c.type_vocab_size >= 1 else c.type_vocab_size),
     ("classifier_pooling", "cls", None),
     ("classifier_bias", True, None),
+    *_PLAIN_ATTENTION,
 )
 _LLAMA_NEEDS = (
     ("norm_placement", {"pre"}, _placements),
     ("norm_type", "rmsnorm", None),
     ("position_embedding_type", "rope", None),
+    _FLAT_ROPE,
     ("embedding_norm", False, None),
     ("final_norm", True, None),
     ("is_causal", True, None),
     ("layer_types", "all full_attention", _all_full),
     ("qk_norm", False, None),
     ("mlp_type", "glu", None),
-    ("attention_output_bias", "attention_bias", lambda c: "attention_bias" if c.attention_output_bias == c.attention_bias else c.attention_output_bias),
+    ("attention_output_bias", "attention_bias", _same("attention_output_bias", "attention_bias")),
     ("type_vocab_size", 0, None),
     ("classifier_pooling", "last", None),
     ("classifier_bias", False, None),
+    *_PLAIN_ATTENTION,
+)
+_GPT2_NEEDS = (
+    ("norm_placement", {"pre"}, _placements),
+    ("norm_type", "layernorm", None),
+    ("norm_bias", True, None),
+    ("position_embedding_type", "absolute", None),
+    ("position_offset", 0, None),
+    ("embedding_norm", False, None),
+    ("final_norm", True, None),
+    ("is_causal", True, None),
+    ("layer_types", "all full_attention", _all_full),
+    ("qk_norm", False, None),
+    ("mlp_type", "standard", None),
+    ("mlp_bias", True, None),
+    ("attention_bias", True, None),
+    ("attention_output_bias", True, None),
+    _MHA,
+    _HEAD_DIM,
+    ("type_vocab_size", 0, None),
+    ("classifier_pooling", "last", None),
+    ("classifier_bias", False, None),
+    ("query_pre_attn_scalar", "None or 1", lambda c: "None or 1" if c.query_pre_attn_scalar in (None, 1) else c.query_pre_attn_scalar),
+    *_PLAIN_ATTENTION[1:],
+)
+_GEMMA_NEEDS = (
+    ("norm_placement", {"sandwich"}, _placements),
+    ("norm_type", "rmsnorm", None),
+    ("position_embedding_type", "rope", None),
+    ("embedding_norm", False, None),
+    ("final_norm", True, None),
+    ("is_causal", True, None),
+    ("mlp_type", "glu", None),
+    ("mlp_bias", False, None),
+    ("attention_output_bias", "attention_bias", _same("attention_output_bias", "attention_bias")),
+    ("type_vocab_size", 0, None),
+    ("embedding_multiplier", "sqrt(hidden_size)", lambda c: "sqrt(hidden_size)" if c.embedding_multiplier == c.hidden_size**0.5 else c.embedding_multiplier),
+    ("query_pre_attn_scalar", "None or a whole number", lambda c: "None or a whole number"
+     if c.query_pre_attn_scalar is None or float(c.query_pre_attn_scalar).is_integer() else c.query_pre_attn_scalar),
+)
+_GEMMA2_NEEDS = (*_GEMMA_NEEDS, ("qk_norm", False, None), _FLAT_ROPE)
+_GEMMA3_NEEDS = (*_GEMMA_NEEDS, ("qk_norm", True, None), ("qk_norm_scope", "head", None))
+_OLMO2_NEEDS = (
+    ("norm_placement", {"output"}, _placements),
+    ("norm_type", "rmsnorm", None),
+    ("position_embedding_type", "rope", None),
+    _FLAT_ROPE,
+    ("embedding_norm", False, None),
+    ("final_norm", True, None),
+    ("is_causal", True, None),
+    ("layer_types", "all full_attention", _all_full),
+    ("qk_norm", True, None),
+    ("qk_norm_scope", "projection", None),
+    ("mlp_type", "glu", None),
+    ("mlp_bias", False, None),
+    ("attention_output_bias", "attention_bias", _same("attention_output_bias", "attention_bias")),
+    _HEAD_DIM,
+    ("type_vocab_size", 0, None),
+    *_PLAIN_ATTENTION,
 )
 
 
@@ -68,63 +160,130 @@ def _blockers(config: NormSwapConfig, needs) -> list[str]:
     return blocked
 
 
-def native_config(config: NormSwapConfig, head: str) -> tuple[Family, object]:
-    """The family and Transformers configuration that compute what `config` computes, or a ValueError naming why not."""
-    blockers = {BERT: _blockers(config, _BERT_NEEDS), LLAMA: _blockers(config, _LLAMA_NEEDS)}
-    for family in (BERT, LLAMA):
-        if not blockers[family] and head not in family.heads:
-            blockers[family] = [f"head {head!r} (the {family.name} export has {', '.join(family.heads)})"]
-    family = min((BERT, LLAMA), key=lambda f: len(blockers[f]))
-    if blockers[family]:
-        raise ConversionError(
-            f"cannot be written as a native {family.name} model: {'; '.join(blockers[family])}"
-        )
-    labels = {"id2label": config.id2label, "label2id": config.label2id, "problem_type": config.problem_type}
-    if family is BERT:
-        return family, BertConfig(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            num_hidden_layers=config.num_hidden_layers,
-            num_attention_heads=config.num_attention_heads,
-            intermediate_size=config.intermediate_size,
-            hidden_act=config.hidden_act,
-            hidden_dropout_prob=config.hidden_dropout,
-            attention_probs_dropout_prob=config.attention_dropout,
-            max_position_embeddings=config.max_position_embeddings,
-            type_vocab_size=config.type_vocab_size,
-            initializer_range=config.initializer_range,
-            layer_norm_eps=config.norm_eps,
-            pad_token_id=config.pad_token_id,
-            classifier_dropout=config.classifier_dropout,
-            tie_word_embeddings=config.tie_word_embeddings,
-            **labels,
-        )
-    return family, LlamaConfig(
+def _common(config: NormSwapConfig) -> dict:
+    return dict(
         vocab_size=config.vocab_size,
+        initializer_range=config.initializer_range,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        tie_word_embeddings=config.tie_word_embeddings,
+        id2label=config.id2label,
+        label2id=config.label2id,
+        problem_type=config.problem_type,
+    )
+
+
+def _decoder(config: NormSwapConfig) -> dict:
+    """The fields LLaMA-style configurations share."""
+    return dict(
+        _common(config),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        hidden_act=config.hidden_act,
         max_position_embeddings=config.max_position_embeddings,
-        initializer_range=config.initializer_range,
         rms_norm_eps=config.norm_eps,
-        rope_parameters=dict(config.rope_parameters),
+        rope_parameters=copy.deepcopy(config.rope_parameters),
         attention_bias=config.attention_bias,
         attention_dropout=config.attention_dropout,
-        mlp_bias=config.mlp_bias,
-        pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        tie_word_embeddings=config.tie_word_embeddings,
-        **labels,
     )
 
 
+def _bert_config(config: NormSwapConfig):
+    common = _common(config)
+    common.pop("bos_token_id"), common.pop("eos_token_id")
+    return BertConfig(
+        **common,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        hidden_act=config.hidden_act,
+        hidden_dropout_prob=config.hidden_dropout,
+        attention_probs_dropout_prob=config.attention_dropout,
+        max_position_embeddings=config.max_position_embeddings,
+        type_vocab_size=config.type_vocab_size,
+        layer_norm_eps=config.norm_eps,
+        classifier_dropout=config.classifier_dropout,
+    )
+
+
+def _llama_config(config: NormSwapConfig):
+    return LlamaConfig(
+        **_decoder(config), head_dim=config.head_dim, hidden_act=config.hidden_act, mlp_bias=config.mlp_bias
+    )
+
+
+def _gpt2_config(config: NormSwapConfig):
+    return GPT2Config(
+        **_common(config),
+        n_embd=config.hidden_size,
+        n_inner=config.intermediate_size,
+        n_layer=config.num_hidden_layers,
+        n_head=config.num_attention_heads,
+        n_positions=config.max_position_embeddings,
+        activation_function=config.hidden_act,
+        layer_norm_epsilon=config.norm_eps,
+        resid_pdrop=config.hidden_dropout,
+        embd_pdrop=config.hidden_dropout,
+        attn_pdrop=config.attention_dropout,
+        scale_attn_weights=config.query_pre_attn_scalar is None,
+    )
+
+
+def _gemma_config(config_class):
+    def build(config: NormSwapConfig):
+        rope = config.rope_parameters
+        if config_class is Gemma3TextConfig and not rope_parameters_by_layer_type(rope):
+            rope = dict.fromkeys(("full_attention", "sliding_attention"), rope)
+        return config_class(
+            **dict(_decoder(config), rope_parameters=copy.deepcopy(rope)),
+            head_dim=config.head_dim,
+            hidden_activation=config.hidden_act,
+            query_pre_attn_scalar=int(config.query_pre_attn_scalar or config.head_dim),
+            layer_types=list(config.layer_types),
+            sliding_window=config.sliding_window,
+            attn_logit_softcapping=config.attn_logit_softcapping,
+            final_logit_softcapping=config.final_logit_softcapping,
+        )
+
+    return build
+
+
+def _olmo2_config(config: NormSwapConfig):
+    return Olmo2Config(**_decoder(config), hidden_act=config.hidden_act)
+
+
+# The native architectures a NormSwap configuration can be written as: family (names), requirements, configuration.
+TARGETS = (
+    (BERT, _BERT_NEEDS, _bert_config),
+    (LLAMA, _LLAMA_NEEDS, _llama_config),
+    (GPT2, _GPT2_NEEDS, _gpt2_config),
+    (GEMMA, _GEMMA2_NEEDS, _gemma_config(Gemma2Config)),
+    (GEMMA, _GEMMA3_NEEDS, _gemma_config(Gemma3TextConfig)),
+    (OLMO2, _OLMO2_NEEDS, _olmo2_config),
+)
+
+
+def native_config(config: NormSwapConfig, head: str) -> tuple[Family, object]:
+    """The family and Transformers configuration that compute what `config` computes, or a ValueError naming why not
+    (the blocking fields of the closest native architecture)."""
+    candidates = []
+    for family, needs, build in TARGETS:
+        blockers = _blockers(config, needs)
+        if not blockers and head not in family.heads:
+            blockers = [f"head {head!r} (the {family.name} export has {', '.join(family.heads)})"]
+        candidates.append((len(blockers), family, blockers, build))
+    _, family, blockers, build = min(candidates, key=lambda candidate: candidate[0])
+    if blockers:
+        raise ConversionError(f"cannot be written as a native {family.name} model: {'; '.join(blockers)}")
+    return family, build(config)
+
+
 def export_native(source: str, output: str, *, overwrite: bool = False, log=print) -> dict:
-    """Writes the NormSwap checkpoint SOURCE as a native BERT or LLaMA checkpoint in OUTPUT."""
+    """Writes the NormSwap checkpoint SOURCE as a native checkpoint (see `TARGETS`) in OUTPUT."""
     folder, _ = resolve_source(source)
     try:
         config = AutoConfig.from_pretrained(folder)

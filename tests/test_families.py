@@ -152,3 +152,46 @@ def test_unsupported_source_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="gpt2 with scale_attn_by_inverse_layer_idx=True is not supported"):
         convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), attention="causal")
     assert not (tmp_path / "out").exists()
+
+
+def tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("model_type, suffix", [("gpt2", "LMHeadModel"), ("gpt2", "ForSequenceClassification"),
+                                                ("olmo2", "ForCausalLM"), ("gemma2", "ForCausalLM"),
+                                                ("gemma3_text", "ForCausalLM"), ("gemma3_text", "TextModel")])
+def test_export_native_round_trip(tmp_path, model_type, suffix):
+    from hf_normswap.cli import main as cli
+
+    native, _ = convert(tmp_path, model_type, suffix)
+    assert cli(["export-native", str(tmp_path / "out"), str(tmp_path / "back")]) == 0
+    original, back = tensors(tmp_path / "source"), tensors(tmp_path / "back")
+    assert set(original) == set(back)
+    config = AutoModel.from_pretrained(tmp_path / "back").config
+    assert config.model_type == native.config.model_type and config.architectures == native.config.architectures
+    for name, tensor in original.items():
+        if model_type.startswith("gemma") and name.endswith("norm.weight"):
+            # Gemma's (1 + w) is folded into NormSwap's w and unfolded on the way back, exact to float32's rounding
+            # of 1 + w; from NormSwap to Gemma and back is bit-exact
+            assert (tensor - back[name]).abs().max().item() <= 2**-24, name
+        else:
+            assert torch.equal(tensor, back[name]), name
+    if model_type.startswith("gemma"):
+        assert convert_checkpoint(str(tmp_path / "back"), str(tmp_path / "again"), attention="causal",
+                                  log=lambda _: None)["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
+        first, again = tensors(tmp_path / "out"), tensors(tmp_path / "again")
+        assert all(torch.equal(first[name], again[name]) for name in first)
+
+
+def test_export_names_the_blocking_fields(tmp_path, capsys):
+    from hf_normswap.cli import main as cli
+
+    convert(tmp_path, "gemma2", "ForCausalLM", norm_placement="pre")
+    capsys.readouterr()
+    assert cli(["export-native", str(tmp_path / "out"), str(tmp_path / "back")]) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "norm_placement='pre' (needs sandwich)" in error
+    assert not (tmp_path / "back").exists()
