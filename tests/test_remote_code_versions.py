@@ -22,7 +22,10 @@ from hf_normswap import (
     NormSwapModel,
 )
 
+from hf_normswap import convert_checkpoint
+
 from conftest import padded_batch, tiny_config
+from sources import save_source
 
 
 CLEAN_PYTHONS = dict(
@@ -45,7 +48,11 @@ batch = torch.load(f"{folder}/batch.pt", weights_only=True)
 model = getattr(transformers, auto_class).from_pretrained(f"{folder}/model", trust_remote_code=True).eval()
 with torch.no_grad():
     output = model(**batch)
-print(json.dumps({"version": transformers.__version__, "class": type(model).__name__, "output": output[0].tolist()}))
+result = {"version": transformers.__version__, "class": type(model).__name__, "output": output[0].tolist()}
+if len(sys.argv) > 3:  # greedy tokens, the prompts left-padded
+    prompts = {name: tensor.flip(1) for name, tensor in batch.items()}
+    result["tokens"] = model.generate(**prompts, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+print(json.dumps(result))
 """
 
 
@@ -83,11 +90,46 @@ def test_variant_loads_in_a_clean_environment(tmp_path, version, auto_class, lay
     with torch.no_grad():
         expected = model(**batch)[0]
 
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
-           "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf")}
-    process = subprocess.run([CLEAN_PYTHONS[version], "-c", LOADER, str(tmp_path), auto_class],
-                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert process.returncode == 0, process.stderr[-3000:]
-    result = json.loads(process.stdout.strip().splitlines()[-1])
+    result = load_in_clean_environment(tmp_path, version, auto_class)
     assert result["version"] == version and result["class"] == model_class.__name__
     assert (torch.tensor(result["output"]) - expected).abs().max().item() <= 1e-6
+
+
+def load_in_clean_environment(folder, version, auto_class, *extra) -> dict:
+    env = {"PATH": os.environ["PATH"], "HOME": str(folder), "HF_HUB_OFFLINE": "1",
+           "HF_MODULES_CACHE": str(folder / "modules"), "HF_HOME": str(folder / "hf")}
+    process = subprocess.run([CLEAN_PYTHONS[version], "-c", LOADER, str(folder), auto_class, *extra],
+                             capture_output=True, text=True, env=env, cwd=folder, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+FAMILY_VARIANTS = {  # one converted variant of each causal family, swapped where that keeps it interesting
+    "gpt2": ("LMHeadModel", {"norm_placement": "sandwich"}),
+    "gemma2": ("ForCausalLM", {}),  # sliding windows, soft-capping, folded norms, scaled embeddings
+    "gemma3_text": ("ForCausalLM", {"norm_placement": "pre"}),  # rope per layer type, q/k norms per head
+    "olmo2": ("ForCausalLM", {}),  # q/k norms over the whole projection
+}
+
+
+@pytest.mark.skipif(not CLEAN_PYTHONS, reason="run through .ci/run, which builds the clean environments")
+@pytest.mark.parametrize("version", sorted(CLEAN_PYTHONS))
+@pytest.mark.parametrize("model_type", FAMILY_VARIANTS)
+def test_family_variant_loads_and_generates_in_a_clean_environment(tmp_path, version, model_type):
+    suffix, swap = FAMILY_VARIANTS[model_type]
+    save_source(tmp_path / "source", model_type, suffix, tokenizer=False)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "model"), attention="causal", verify=False,
+                       log=lambda _: None, **swap)
+    model = NormSwapForCausalLM.from_pretrained(tmp_path / "model").eval()
+    input_ids, attention_mask = padded_batch(vocab_size=64, lengths=(12, 7))
+    torch.save({"input_ids": input_ids, "attention_mask": attention_mask}, tmp_path / "batch.pt")
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+    tokens = model.generate(input_ids.flip(1), attention_mask=attention_mask.flip(1), max_new_tokens=8,
+                            do_sample=False, pad_token_id=0)
+
+    result = load_in_clean_environment(tmp_path, version, "AutoModelForCausalLM", "generate")
+    assert result["version"] == version and result["class"] == "NormSwapForCausalLM"
+    real = attention_mask.bool()
+    assert (torch.tensor(result["output"]) - expected)[real].abs().max().item() <= 1e-5
+    assert result["tokens"] == tokens.tolist()
