@@ -1,4 +1,4 @@
-"""The `hf-normswap` command line: convert, export-native, heal, compare, push."""
+"""The `hf-normswap` command line: convert, export-native, generate, heal, compare, push."""
 
 import argparse
 import dataclasses
@@ -70,6 +70,39 @@ def _run_export(args) -> None:
     from .export import export_native
 
     export_native(args.source, args.output, overwrite=args.overwrite)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _add_generate(commands) -> None:
+    parser = commands.add_parser("generate", help="continue prompts with a causal NormSwap model (text-generation pipeline)")
+    parser.add_argument("folder", help="NormSwap causal-LM checkpoint folder or Hub id")
+    parser.add_argument("--prompt", required=True, action="append", help="the text to continue; repeat for more")
+    parser.add_argument("--max-new-tokens", type=_positive, default=32)
+    parser.add_argument("--sample", action="store_true", help="sample (with --seed) instead of greedy decoding")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _run_generate(args) -> None:
+    from transformers import AutoConfig, pipeline, set_seed
+
+    from .heads import head_of_config
+
+    config = AutoConfig.from_pretrained(args.folder)
+    if config.model_type != "normswap" or not config.is_causal or head_of_config(config) != "causal-lm":
+        raise ValueError(
+            f"{args.folder}: not a NormSwap causal LM (is_causal=True, NormSwapForCausalLM); convert with "
+            "--attention causal --head causal-lm"
+        )
+    set_seed(args.seed)
+    generator = pipeline("text-generation", model=args.folder)
+    for outputs in generator(args.prompt, max_new_tokens=args.max_new_tokens, do_sample=args.sample):
+        print(outputs[0]["generated_text"])
 
 
 def _add_heal(commands) -> None:
@@ -190,6 +223,7 @@ def _run_push(args) -> None:
 COMMANDS = {
     "convert": (_add_convert, _run_convert),
     "export-native": (_add_export, _run_export),
+    "generate": (_add_generate, _run_generate),
     "heal": (_add_heal, _run_heal),
     "compare": (_add_compare, _run_compare),
     "push": (_add_push, _run_push),

@@ -78,3 +78,23 @@ def test_text_generation_pipeline_and_a_swapped_variant(tmp_path):
     from_pipeline = generator("the cat sat on the", max_new_tokens=8, min_new_tokens=8, do_sample=False,
                               return_tensors=True)[0]["generated_token_ids"]
     assert list(from_pipeline) == tokens[0].tolist()
+
+
+def test_generate_command_is_the_pipeline(tmp_path, capsys):
+    from hf_normswap.cli import main as cli
+
+    save_source(tmp_path / "source", "llama", "ForCausalLM")
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), attention="causal", log=lambda _: None)
+    capsys.readouterr()
+    assert cli(["generate", str(tmp_path / "out"), "--prompt", "the cat sat", "--prompt", "paris is",
+                "--max-new-tokens", "6"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    generator = pipeline("text-generation", model=str(tmp_path / "out"))
+    expected = [generator(prompt, max_new_tokens=6, do_sample=False)[0]["generated_text"]
+                for prompt in ("the cat sat", "paris is")]
+    assert lines == expected
+
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "encoder"), log=lambda _: None)
+    assert cli(["generate", str(tmp_path / "encoder"), "--prompt", "the cat"]) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "is_causal=True" in error
