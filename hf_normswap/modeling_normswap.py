@@ -351,8 +351,8 @@ def eager_attention_forward(
 
 
 class NormSwapAttention(nn.Module):
-    """Multi-head attention with GQA, optional per-head q/k norms, rotary embeddings or ALiBi, a sliding window
-    where the layer type says so, and a KV cache."""
+    """Multi-head attention with GQA, optional q/k norms (per head or over the projection), rotary embeddings or ALiBi,
+    a sliding window where the layer type says so, and a KV cache."""
 
     def __init__(self, config: NormSwapConfig, layer_idx: int):
         super().__init__()
@@ -835,7 +835,14 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past_key_values, use_cache, **kwargs
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
         )
         hidden_states = outputs.last_hidden_state
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

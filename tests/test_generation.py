@@ -98,3 +98,12 @@ def test_generate_command_is_the_pipeline(tmp_path, capsys):
     assert cli(["generate", str(tmp_path / "encoder"), "--prompt", "the cat"]) == 1
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "is_causal=True" in error
+
+
+def test_config_use_cache_is_honoured():
+    model = NormSwapForCausalLM(tiny_config(is_causal=True, norm_placement="pre")).eval()
+    input_ids, _ = padded_batch()
+    assert model(input_ids, use_cache=True).past_key_values.get_seq_length() == 9
+    model.config.use_cache = False  # as the Trainer sets it for gradient checkpointing
+    assert model(input_ids).past_key_values is None
+    assert model(input_ids, use_cache=True).past_key_values is not None
