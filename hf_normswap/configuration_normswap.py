@@ -96,7 +96,7 @@ class NormSwapConfig(PreTrainedConfig):
     """
 
     model_type = "normswap"
-    keys_to_ignore_at_inference = []
+    keys_to_ignore_at_inference = ["past_key_values"]
     default_theta = 10_000.0
 
     vocab_size: int = 30522
