@@ -147,3 +147,17 @@ def test_rope_per_layer_type_reloads_exactly(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids, attention_mask=attention_mask).logits,
                            loaded(input_ids, attention_mask=attention_mask).logits)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_packed_batches_compose_with_sliding_windows(is_causal):
+    config = tiny_config(layer_types=SLIDING, sliding_window=2, is_causal=is_causal, position_embedding_type="rope",
+                         norm_placement="pre")
+    model = NormSwapModel(config).eval()
+    first, second = torch.arange(3, 10)[None], torch.arange(20, 25)[None]
+    packed = torch.cat([first, second], dim=1)
+    position_ids = torch.cat([torch.arange(7), torch.arange(5)])[None]  # restarting: two sequences
+    with torch.no_grad():
+        together = model(packed, position_ids=position_ids).last_hidden_state
+        alone = torch.cat([model(first).last_hidden_state, model(second).last_hidden_state], dim=1)
+    assert (together - alone).abs().max().item() <= 1e-5
