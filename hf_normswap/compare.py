@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from .configuration_normswap import NormSwapConfig, mix_ln_placement
 from .convert import convert_checkpoint
 from .diagnostics import DiagnosticsCallback
 from .experiment import HEAL_SUFFIX, Experiment, parse_variant, split_variant
+from .families import family_of
 from .heal import heal_checkpoint
 from .metrics import load_metric
 from .modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
@@ -211,17 +213,35 @@ def _build_model(source: dict, seed: int, num_labels: int, causal: bool) -> torc
         return NormSwapForCausalLM(config) if causal else NormSwapForSequenceClassification(config)
     if causal:
         return AutoModelForCausalLM.from_pretrained(source["path"])
-    model = AutoModelForSequenceClassification.from_pretrained(
-        source["path"], num_labels=num_labels, ignore_mismatched_sizes=True
+    model, loading = AutoModelForSequenceClassification.from_pretrained(
+        source["path"], num_labels=num_labels, ignore_mismatched_sizes=True, output_loading_info=True
     )
-    head = getattr(model, "classifier", None) or getattr(model, "score")
-    head = getattr(head, "out_proj", head)
-    generator = torch.Generator().manual_seed(seed)
+    fresh = set(loading["missing_keys"]) | {name for name, *_ in loading["mismatched_keys"]}
     with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * model.config.initializer_range)
-        if head.bias is not None:
-            head.bias.zero_()
+        for name, parameter in model.named_parameters():
+            role = _role(model, name)
+            if name in fresh or (isinstance(role, str) and role.startswith("classifier.")):
+                parameter.copy_(_head_start(role, parameter.shape, seed, model.config.initializer_range))
     return model
+
+
+def _role(model, name: str):
+    """The NormSwap name of a parameter of a NormSwap or native sequence classifier (a tuple for a fused one)."""
+    if isinstance(model.config, NormSwapConfig):
+        return name
+    return family_of(model.config).rename(name, "sequence-classification")
+
+
+def _head_start(role: str, shape, seed: int, std: float) -> torch.Tensor:
+    """The starting value of a classification-head tensor (or any other the checkpoint lacks), named by its NormSwap
+    name so that every variant gets the same: biases 0, norm weights 1, other weights normal(0, std) from the seed."""
+    if role.endswith("bias"):
+        return torch.zeros(shape)
+    if "norm" in role:
+        return torch.ones(shape)
+    offset = 0 if role == "classifier.weight" else zlib.crc32(role.encode())
+    generator = torch.Generator().manual_seed(seed + offset)
+    return torch.randn(shape, generator=generator) * std
 
 
 class _Runner:

@@ -60,8 +60,14 @@ class NormSwapConfig(PreTrainedConfig):
         `"layernorm"` (with a bias when `norm_bias`), `"rmsnorm"` or `"dyt"` (Dynamic Tanh, g*tanh(a*x)+b).
     embedding_norm / final_norm (`bool`, *optional*):
         Norm after the embeddings / after the last layer. Default: an embedding norm when the first layer normalizes
-        the residual stream after the sum (post, pre_post, deepnorm), a final norm when the last layer leaves it
-        un-normalized (pre, sandwich, output).
+        the residual stream after the sum (post, pre_post, deepnorm) or when the embeddings are projected, a final
+        norm when the last layer leaves it un-normalized (pre, sandwich, output).
+    first_attention_input_norm (`bool`, defaults to `True`):
+        Whether the first layer's attention has its input norm; ModernBERT leaves it out, its embedding norm already
+        normalizing the stream.
+    embedding_size (`int`, *optional*):
+        Width of the token, token-type and position embeddings (and of the masked-LM head's decoder), projected to
+        `hidden_size` after the embedding norm when different, as ELECTRA's. Default: `hidden_size`.
     position_embedding_type (`str`, defaults to `"absolute"`):
         `"absolute"` (learned table), `"sinusoidal"`, `"rope"` (see `rope_parameters`), `"alibi"` or `"none"`.
     position_offset (`int`, defaults to 0):
@@ -91,8 +97,19 @@ class NormSwapConfig(PreTrainedConfig):
     mlp_type (`str`, defaults to `"standard"`):
         `"standard"` (up, act, down) or `"glu"` (down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu).
     classifier_pooling (`str`, defaults to `"cls"`):
-        Sequence classification pooling: `"cls"` (dense + tanh on the first token), `"mean"` or `"last"` (last
-        non-padding token).
+        Sequence classification pooling: `"cls"` (the first token), `"mean"` or `"last"` (last non-padding token).
+    classifier_activation (`str`, *optional*):
+        Activation of the dense layer between pooling and classifier; `None` for no dense layer. Default: `"tanh"`
+        with `"cls"` pooling (BERT's pooler), none with `"mean"` and `"last"`.
+    classifier_norm (`bool`, defaults to `False`):
+        A norm after that activation (ModernBERT's head: dense, activation, norm).
+    token_classifier_head (`bool`, defaults to `False`):
+        Token classification and question answering pass every token through that dense layer, activation and norm
+        before the classifier, as ModernBERT does.
+    head_dense_bias (`bool`, defaults to `True`):
+        Bias of the dense layer of the masked-LM head and of the classifier head (ModernBERT's `classifier_bias`).
+    decoder_bias (`bool`, defaults to `True`):
+        Bias of the masked-LM decoder.
     """
 
     model_type = "normswap"
@@ -118,6 +135,8 @@ class NormSwapConfig(PreTrainedConfig):
     dyt_alpha_init: float = 0.5
     embedding_norm: bool | None = None
     final_norm: bool | None = None
+    first_attention_input_norm: bool = True
+    embedding_size: int | None = None
 
     position_embedding_type: str = "absolute"
     position_offset: int = 0
@@ -141,8 +160,13 @@ class NormSwapConfig(PreTrainedConfig):
     mlp_bias: bool = True
 
     classifier_pooling: str = "cls"
+    classifier_activation: str | None = None
+    classifier_norm: bool = False
+    token_classifier_head: bool = False
     classifier_bias: bool = True
     classifier_dropout: float | int | None = None
+    head_dense_bias: bool = True
+    decoder_bias: bool = True
 
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -165,10 +189,15 @@ class NormSwapConfig(PreTrainedConfig):
             self.attention_output_bias = self.attention_bias
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if self.embedding_size is None:
+            self.embedding_size = self.hidden_size
+        if self.classifier_activation is None and self.classifier_pooling == "cls":
+            self.classifier_activation = "tanh"
         self._check_fields()
         placements = self.layer_norm_placements
         if self.embedding_norm is None:
-            self.embedding_norm = "residual_norm" in NORM_PLACEMENTS[placements[0]]
+            projected = self.embedding_size != self.hidden_size
+            self.embedding_norm = projected or "residual_norm" in NORM_PLACEMENTS[placements[0]]
         if self.final_norm is None:
             self.final_norm = "residual_norm" not in NORM_PLACEMENTS[placements[-1]]
         super().__post_init__(**kwargs)
@@ -192,7 +221,8 @@ class NormSwapConfig(PreTrainedConfig):
         return (8 * self.num_hidden_layers) ** -0.25
 
     def _check_fields(self) -> None:
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        for field in (*sizes, "embedding_size"):
             _require(getattr(self, field) >= 1, field, getattr(self, field), "must be a positive integer")
         _require(self.head_dim >= 1, "head_dim", self.head_dim, "must be a positive integer")
         _require(
@@ -213,6 +243,13 @@ class NormSwapConfig(PreTrainedConfig):
             )
             for placement in self.norm_placement:
                 _require(placement in NORM_PLACEMENTS, "norm_placement", placement, allowed)
+        _require(
+            self.first_attention_input_norm or "input_norm" in NORM_PLACEMENTS[self.layer_norm_placements[0]],
+            "first_attention_input_norm",
+            self.first_attention_input_norm,
+            "False leaves out the first layer's attention input norm, which its placement "
+            f"{self.layer_norm_placements[0]!r} does not have",
+        )
         _require(self.norm_type in NORM_TYPES, "norm_type", self.norm_type, f"allowed types are {list(NORM_TYPES)}")
         _require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be positive")
         _require(self.dyt_alpha_init > 0, "dyt_alpha_init", self.dyt_alpha_init, "must be positive")
@@ -258,6 +295,19 @@ class NormSwapConfig(PreTrainedConfig):
             self.classifier_pooling,
             f"allowed poolings are {list(CLASSIFIER_POOLINGS)}",
         )
+        _require(
+            self.classifier_activation is None or self.classifier_activation in ACT2FN,
+            "classifier_activation",
+            self.classifier_activation,
+            f"allowed are None (no dense layer) and {sorted(ACT2FN)}",
+        )
+        for field in ("classifier_norm", "token_classifier_head"):
+            _require(
+                not getattr(self, field) or self.classifier_activation is not None,
+                field,
+                getattr(self, field),
+                "needs the classifier head's dense layer (classifier_activation, None here)",
+            )
         for field in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
             value = getattr(self, field)
             _require(value is None or 0 <= value < 1, field, value, "must be in [0, 1)")

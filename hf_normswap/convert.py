@@ -14,7 +14,7 @@ from .collapse import COLLAPSE_MARGIN, conversion_collapse
 from .configuration_normswap import NormSwapConfig
 from .exact_swaps import apply_exact_swap, keeps_last_hidden_state, plan_exact_swap
 from .families import NORMSWAP, family_of, normswap_config
-from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_architecture, local_name
+from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, local_name
 from .modeling_normswap import AUTO_MAP
 from .norm_mapping import map_norms, norm_slots
 from .swap_effect import swap_effect
@@ -98,7 +98,7 @@ def convert_checkpoint(
 
     # A config without `architectures` is taken as the base model ("BertConfig" -> "BertModel").
     architecture = (source_config.architectures or [type(source_config).__name__.removesuffix("Config") + "Model"])[0]
-    source_head = head_of_architecture(architecture)
+    source_head = source_family.head_of(architecture)
     if head == "auto":
         head = "base" if source_head == "causal-lm" and attention == "bidirectional" else source_head
     if head not in source_family.heads:
@@ -112,6 +112,7 @@ def convert_checkpoint(
     swaps = {"is_causal": attention == "causal"}
     if norm_placement is not None and norm_placement != plain.norm_placement:
         swaps.update(norm_placement=norm_placement, embedding_norm=None, final_norm=None)
+        swaps["first_attention_input_norm"] = True
     if position_embedding_type is not None:
         swaps["position_embedding_type"] = position_embedding_type
     if norm_type is not None:
@@ -207,7 +208,7 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
     for file in files:
         for source_name, source_tensor in read_tensors(file):
             try:
-                converted = family.to_normswap(source_name, source_tensor)
+                converted = family.to_normswap(source_name, source_tensor, head)
             except KeyError:
                 raise ConversionError(
                     f"{file}: unexpected tensor {source_name!r} for a {family.name}-family checkpoint"
@@ -248,7 +249,7 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
         elif name.endswith("embeddings.position_embeddings.weight"):
             value = torch.randn(meta.shape, generator=generator) * target.initializer_range
             initialized.append(f"{name} (normal, std {target.initializer_range})")
-        elif name.startswith(("classifier.", "pooler.", "qa_outputs.", "lm_head.")):
+        elif name.startswith(("classifier.", "pooler.", "head.", "qa_outputs.", "lm_head.")):
             at_load.append(name)
             continue
         else:
@@ -320,7 +321,7 @@ def load_plain(plain: NormSwapConfig, head: str, family, origins: dict) -> torch
     for file, names in by_file.items():
         for source_name, tensor in read_tensors(file):
             if source_name in names:
-                for name, value in family.to_normswap(source_name, tensor.float()):
+                for name, value in family.to_normswap(source_name, tensor.float(), head):
                     if local_name(name, head) in expected:
                         state[local_name(name, head)] = value
     model.load_state_dict(state, strict=False)

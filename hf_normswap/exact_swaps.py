@@ -14,11 +14,11 @@ import torch
 from .configuration_normswap import NormSwapConfig
 
 
-# Heads whose layers reading the final norm have a bias to fold the norm's bias into, by classifier pooling.
+# Heads whose layers reading the final norm have a bias to fold the norm's bias into, by their classifier head.
 _FINAL_NORM_READERS = {
-    "sequence-classification": lambda config: ["pooler.dense"] if config.classifier_pooling == "cls" else ["classifier"],
-    "token-classification": lambda config: ["classifier"],
-    "question-answering": lambda config: ["qa_outputs"],
+    "sequence-classification": lambda config: ["pooler.dense" if config.classifier_activation else "classifier"],
+    "token-classification": lambda config: ["head.dense" if config.token_classifier_head else "classifier"],
+    "question-answering": lambda config: ["head.dense" if config.token_classifier_head else "qa_outputs"],
 }
 
 
@@ -37,12 +37,15 @@ def plan_exact_swap(plain: NormSwapConfig, target: NormSwapConfig, head: str, no
             return "post<->deepnorm", {}
         return None, {}
     pre_ln = pairs == {("pre", "pre")} and not plain.embedding_norm and not plain.qk_norm
+    pre_ln = pre_ln and plain.first_attention_input_norm and plain.embedding_size == plain.hidden_size
     if not (pre_ln and plain.norm_type == "layernorm" and target.norm_type == "rmsnorm"):
         return None, {}
     if plain.position_embedding_type == "sinusoidal" or head == "masked-lm":  # a fixed table, a norm inside the head
         return None, {}
     if head in _FINAL_NORM_READERS:
-        fields = {"classifier_bias": True} if head == "sequence-classification" and plain.norm_bias else {}
+        reader = _FINAL_NORM_READERS[head](plain)[0]
+        bias_field = {"classifier": "classifier_bias", "pooler.dense": "head_dense_bias", "head.dense": "head_dense_bias"}
+        fields = {bias_field[reader]: True} if plain.norm_bias and reader in bias_field else {}
     elif plain.norm_bias:  # the base model's output and the bias-free LM head cannot take the final norm's bias
         return None, {}
     else:

@@ -1,5 +1,5 @@
-"""Write a NormSwap checkpoint back as Transformers' own classes (BERT, LLaMA, GPT-2, Gemma 2/3, OLMo 2), when its
-configuration allows."""
+"""Write a NormSwap checkpoint back as Transformers' own classes (BERT, LLaMA, GPT-2, Gemma 2/3, OLMo 2,
+ELECTRA, DistilBERT, ModernBERT), when its configuration allows."""
 
 import copy
 from pathlib import Path
@@ -8,17 +8,20 @@ from transformers import (
     AutoConfig,
     BertConfig,
     BertModel,
+    DistilBertConfig,
+    ElectraConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
+    ModernBertConfig,
     Olmo2Config,
 )
 
 from .checkpoint import output_folder
-from .configuration_normswap import NormSwapConfig, rope_parameters_by_layer_type
+from .configuration_normswap import LAYER_TYPES, NormSwapConfig, rope_parameters_by_layer_type
 from .convert import ConversionError, copy_tokenizer_files, resolve_source
-from .families import BERT, GEMMA, GPT2, LLAMA, OLMO2, Family
+from .families import BERT, DISTILBERT, ELECTRA, GEMMA, GPT2, LLAMA, MODERNBERT, OLMO2, Family
 from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
 
 
@@ -49,9 +52,17 @@ _PLAIN_ATTENTION = (  # what BERT, LLaMA, GPT-2 and OLMo 2 cannot represent
 )
 _FLAT_ROPE = ("rope_parameters", "one dict for all layers", lambda c: "one dict for all layers"
               if not rope_parameters_by_layer_type(c.rope_parameters) else c.rope_parameters)
+_SAME_EMBEDDING_SIZE = ("embedding_size", "hidden_size", _same("embedding_size", "hidden_size"))
+_DEFAULT_HEADS = (  # what only ModernBERT's head layout uses
+    ("first_attention_input_norm", True, None),
+    ("classifier_norm", False, None),
+    ("token_classifier_head", False, None),
+    ("head_dense_bias", True, None),
+    ("decoder_bias", True, None),
+)
 
 # (field, required value, how to read it off the config); every one that fails blocks the export.
-_BERT_NEEDS = (
+_POST_LN_ENCODER = (  # BERT, ELECTRA, DistilBERT
     ("norm_placement", {"post"}, _placements),
     ("norm_type", "layernorm", None),
     ("norm_bias", True, None),
@@ -72,6 +83,39 @@ _BERT_NEEDS = (
     ("classifier_pooling", "cls", None),
     ("classifier_bias", True, None),
     *_PLAIN_ATTENTION,
+    *_DEFAULT_HEADS,
+)
+_BERT_NEEDS = (*_POST_LN_ENCODER, _SAME_EMBEDDING_SIZE, ("classifier_activation", "tanh", None))
+_ELECTRA_NEEDS = (*_POST_LN_ENCODER, ("classifier_activation", "gelu", None))
+_DISTILBERT_NEEDS = (
+    *(need for need in _POST_LN_ENCODER if need[0] != "type_vocab_size"),
+    _SAME_EMBEDDING_SIZE,
+    ("type_vocab_size", 0, None),
+    ("norm_eps", 1e-12, None),
+    ("classifier_activation", "relu", None),
+)
+_MODERNBERT_NEEDS = (
+    ("norm_placement", {"pre"}, _placements),
+    ("norm_type", "layernorm", None),
+    ("embedding_norm", True, None),
+    ("final_norm", True, None),
+    ("first_attention_input_norm", False, None),
+    ("position_embedding_type", "rope", None),
+    ("is_causal", False, None),
+    ("qk_norm", False, None),
+    ("mlp_type", "glu", None),
+    ("attention_output_bias", "attention_bias", _same("attention_output_bias", "attention_bias")),
+    _MHA,
+    _HEAD_DIM,
+    _SAME_EMBEDDING_SIZE,
+    ("type_vocab_size", 0, None),
+    ("classifier_pooling", "cls or mean", lambda c: "cls or mean" if c.classifier_pooling in ("cls", "mean") else c.classifier_pooling),
+    # its masked-LM head uses classifier_activation
+    ("classifier_activation", "hidden_act", _same("classifier_activation", "hidden_act")),
+    ("classifier_norm", True, None),
+    ("token_classifier_head", True, None),
+    ("classifier_bias", True, None),
+    *_PLAIN_ATTENTION,
 )
 _LLAMA_NEEDS = (
     ("norm_placement", {"pre"}, _placements),
@@ -89,6 +133,8 @@ _LLAMA_NEEDS = (
     ("classifier_pooling", "last", None),
     ("classifier_bias", False, None),
     *_PLAIN_ATTENTION,
+    _SAME_EMBEDDING_SIZE,
+    *_DEFAULT_HEADS,
 )
 _GPT2_NEEDS = (
     ("norm_placement", {"pre"}, _placements),
@@ -112,6 +158,8 @@ _GPT2_NEEDS = (
     ("classifier_bias", False, None),
     ("query_pre_attn_scalar", "None or 1", lambda c: "None or 1" if c.query_pre_attn_scalar in (None, 1) else c.query_pre_attn_scalar),
     *_PLAIN_ATTENTION[1:],
+    _SAME_EMBEDDING_SIZE,
+    *_DEFAULT_HEADS,
 )
 _GEMMA_NEEDS = (
     ("norm_placement", {"sandwich"}, _placements),
@@ -127,6 +175,8 @@ _GEMMA_NEEDS = (
     ("embedding_multiplier", "sqrt(hidden_size)", lambda c: "sqrt(hidden_size)" if c.embedding_multiplier == c.hidden_size**0.5 else c.embedding_multiplier),
     ("query_pre_attn_scalar", "None or a whole number", lambda c: "None or a whole number"
      if c.query_pre_attn_scalar is None or float(c.query_pre_attn_scalar).is_integer() else c.query_pre_attn_scalar),
+    _SAME_EMBEDDING_SIZE,
+    *_DEFAULT_HEADS,
 )
 _GEMMA2_NEEDS = (*_GEMMA_NEEDS, ("qk_norm", False, None), _FLAT_ROPE)
 _GEMMA3_NEEDS = (*_GEMMA_NEEDS, ("qk_norm", True, None), ("qk_norm_scope", "head", None))
@@ -147,6 +197,8 @@ _OLMO2_NEEDS = (
     _HEAD_DIM,
     ("type_vocab_size", 0, None),
     *_PLAIN_ATTENTION,
+    _SAME_EMBEDDING_SIZE,
+    *_DEFAULT_HEADS,
 )
 
 
@@ -191,11 +243,12 @@ def _decoder(config: NormSwapConfig) -> dict:
     )
 
 
-def _bert_config(config: NormSwapConfig):
+def _bert_config(config: NormSwapConfig, config_class=BertConfig, **extra):
     common = _common(config)
     common.pop("bos_token_id"), common.pop("eos_token_id")
-    return BertConfig(
+    return config_class(
         **common,
+        **extra,
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
@@ -207,6 +260,56 @@ def _bert_config(config: NormSwapConfig):
         type_vocab_size=config.type_vocab_size,
         layer_norm_eps=config.norm_eps,
         classifier_dropout=config.classifier_dropout,
+    )
+
+
+def _electra_config(config: NormSwapConfig):
+    return _bert_config(config, ElectraConfig, embedding_size=config.embedding_size)
+
+
+def _distilbert_config(config: NormSwapConfig):
+    common = _common(config)
+    common.pop("bos_token_id"), common.pop("eos_token_id")
+    return DistilBertConfig(
+        **common,
+        dim=config.hidden_size,
+        hidden_dim=config.intermediate_size,
+        n_layers=config.num_hidden_layers,
+        n_heads=config.num_attention_heads,
+        activation=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        dropout=config.hidden_dropout,
+        attention_dropout=config.attention_dropout,
+        seq_classif_dropout=config.hidden_dropout if config.classifier_dropout is None else config.classifier_dropout,
+    )
+
+
+def _modernbert_config(config: NormSwapConfig):
+    rope = config.layer_rope_parameters
+    window = config.sliding_window
+    return ModernBertConfig(
+        **_common(config),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        hidden_activation=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        norm_eps=config.norm_eps,
+        norm_bias=config.norm_bias,
+        attention_bias=config.attention_bias,
+        attention_dropout=config.attention_dropout,
+        layer_types=list(config.layer_types),
+        rope_parameters={kind: dict(rope.get(kind) or next(iter(rope.values()))) for kind in LAYER_TYPES},
+        **({"local_attention": 2 * window} if window else {}),  # ModernBERT's window counts both sides
+        embedding_dropout=config.hidden_dropout,
+        mlp_dropout=config.hidden_dropout,
+        mlp_bias=config.mlp_bias,
+        decoder_bias=config.decoder_bias,
+        classifier_pooling=config.classifier_pooling,
+        classifier_dropout=config.hidden_dropout if config.classifier_dropout is None else config.classifier_dropout,
+        classifier_bias=config.head_dense_bias,
+        classifier_activation=config.classifier_activation,
     )
 
 
@@ -264,6 +367,9 @@ TARGETS = (
     (GEMMA, _GEMMA2_NEEDS, _gemma_config(Gemma2Config)),
     (GEMMA, _GEMMA3_NEEDS, _gemma_config(Gemma3TextConfig)),
     (OLMO2, _OLMO2_NEEDS, _olmo2_config),
+    (ELECTRA, _ELECTRA_NEEDS, _electra_config),
+    (DISTILBERT, _DISTILBERT_NEEDS, _distilbert_config),
+    (MODERNBERT, _MODERNBERT_NEEDS, _modernbert_config),
 )
 
 
@@ -301,7 +407,7 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     native = native.to(next(model.parameters()).dtype)
     state = {}
     for name in native.state_dict():
-        tensor = family.from_normswap(name, lambda ours_name: ours[local_name(ours_name, head)])
+        tensor = family.from_normswap(name, lambda ours_name: ours[local_name(ours_name, head)], head)
         if tensor is not None:
             state[name] = tensor
     missing = native.load_state_dict(state, strict=False).missing_keys

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from .configuration_normswap import NormSwapConfig
+from .heads import head_of_architecture
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,10 @@ class Family:
     transposed: tuple[str, ...] = ()  # source tensors stored (in, out), as GPT-2's Conv1D: transposed on the way
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # a fused NormSwap name part -> its equal parts (dim 0)
     norm_weight_offset: float = 0.0  # source norms scale by (offset + w), as Gemma's (1 + w): folded into w
+    head_renames: tuple[tuple[str, str, str], ...] = ()  # (head, pattern, replacement), tried first for that head
+    architecture_heads: tuple[tuple[str, str], ...] = ()  # architectures whose head is not the one their name says
 
-    def rename(self, key: str) -> str | None:
+    def rename(self, key: str, head: str | None = None) -> str | None:
         """The NormSwap name (as in a `NormSwapFor...` head, body under `model.`) of a source tensor, or None to drop."""
         for prefix in self.base_prefixes:
             if key.startswith(prefix):
@@ -36,15 +39,20 @@ class Family:
         for pattern in self.dropped:
             if re.fullmatch(pattern, key):
                 return None
-        for pattern, replacement in self.renames:
+        renames = [(pattern, new) for name, pattern, new in self.head_renames if name == head] + list(self.renames)
+        for pattern, replacement in renames:
             new_key, found = re.subn(pattern, replacement, key)
             if found:
                 return new_key
         raise KeyError(key)
 
-    def to_normswap(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def head_of(self, architecture: str) -> str:
+        """The NormSwap head of one of this family's architectures, such as `BertForMaskedLM`."""
+        return dict(self.architecture_heads).get(architecture) or head_of_architecture(architecture)
+
+    def to_normswap(self, key: str, tensor: torch.Tensor, head: str | None = None) -> list[tuple[str, torch.Tensor]]:
         """The NormSwap tensors (name, value) that a source tensor becomes: none when dropped, several when fused."""
-        name = self.rename(key)
+        name = self.rename(key, head)
         if name is None:
             return []
         if any(re.search(pattern, key) for pattern in self.transposed):
@@ -56,9 +64,11 @@ class Family:
                 return [(name.replace(part, new), chunk) for new, chunk in zip(parts, tensor.chunk(len(parts)))]
         return [(name, tensor)]
 
-    def from_normswap(self, key: str, tensors: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
+    def from_normswap(
+        self, key: str, tensors: Callable[[str], torch.Tensor], head: str | None = None
+    ) -> torch.Tensor | None:
         """The source tensor `key` rebuilt from NormSwap tensors (looked up by name), or None if it is dropped."""
-        name = self.rename(key)
+        name = self.rename(key, head)
         if name is None:
             return None
         fused = next(((part, parts) for part, parts in self.fused if part in name), None)
@@ -244,6 +254,78 @@ def _olmo2_fields(source: PreTrainedConfig) -> dict:
         mlp_bias=False,
     )
 
+def _distilbert_fields(source: PreTrainedConfig) -> dict:
+    return dict(
+        vocab_size=source.vocab_size,
+        hidden_size=source.dim,
+        intermediate_size=source.hidden_dim,
+        num_hidden_layers=source.n_layers,
+        num_attention_heads=source.n_heads,
+        hidden_act=source.activation,
+        max_position_embeddings=source.max_position_embeddings,
+        type_vocab_size=0,
+        initializer_range=source.initializer_range,
+        norm_placement="post",
+        norm_type="layernorm",
+        norm_eps=1e-12,  # fixed in DistilBERT
+        position_embedding_type="absolute",  # a sinusoidal table (sinusoidal_pos_embds) is stored like a learned one
+        attention_bias=True,
+        mlp_type="standard",
+        mlp_bias=True,
+        hidden_dropout=source.dropout,
+        attention_dropout=source.attention_dropout,
+        classifier_dropout=source.seq_classif_dropout,
+        classifier_pooling="cls",
+        classifier_activation="relu",
+        pad_token_id=source.pad_token_id,
+        tie_word_embeddings=source.tie_word_embeddings,
+    )
+
+
+def _electra_fields(source: PreTrainedConfig) -> dict:
+    return {**_bert_fields(source), "embedding_size": source.embedding_size, "classifier_activation": "gelu"}
+
+
+def _modernbert_fields(source: PreTrainedConfig) -> dict:
+    types = attention_types(source)
+    return dict(
+        vocab_size=source.vocab_size,
+        hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size,
+        num_hidden_layers=source.num_hidden_layers,
+        num_attention_heads=source.num_attention_heads,
+        hidden_act=source.hidden_activation,
+        max_position_embeddings=source.max_position_embeddings,
+        type_vocab_size=0,
+        initializer_range=source.initializer_range,
+        norm_placement="pre",
+        norm_type="layernorm",
+        norm_eps=source.norm_eps,
+        norm_bias=source.norm_bias,
+        embedding_norm=True,
+        final_norm=True,
+        first_attention_input_norm=False,
+        position_embedding_type="rope",
+        rope_parameters=_rope_of_layer_types(source, types["layer_types"]),
+        **types,
+        attention_bias=source.attention_bias,
+        mlp_type="glu",
+        mlp_bias=source.mlp_bias,
+        hidden_dropout=source.mlp_dropout,
+        attention_dropout=source.attention_dropout,
+        classifier_pooling=source.classifier_pooling,
+        classifier_activation=source.classifier_activation,
+        classifier_norm=True,
+        token_classifier_head=True,
+        classifier_bias=True,
+        classifier_dropout=source.classifier_dropout,
+        head_dense_bias=source.classifier_bias,
+        decoder_bias=source.decoder_bias,
+        pad_token_id=source.pad_token_id,
+        tie_word_embeddings=source.tie_word_embeddings,
+    )
+
+
 _BERT_LAYER = r"^encoder\.layer\.(\d+)\."
 BERT = Family(
     name="bert",
@@ -371,17 +453,92 @@ OLMO2 = Family(
     causal=True,
 )
 
+_DISTILBERT_LAYER = r"^transformer\.layer\.(\d+)\."
+DISTILBERT = Family(
+    name="distilbert",
+    model_types=("distilbert",),
+    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+    base_prefixes=("distilbert.",),
+    renames=(
+        (r"^embeddings\.LayerNorm\.", "model.embeddings.norm."),
+        (r"^embeddings\.", "model.embeddings."),
+        (_DISTILBERT_LAYER + r"attention\.q_lin\.", r"model.layers.\1.self_attn.q_proj."),
+        (_DISTILBERT_LAYER + r"attention\.k_lin\.", r"model.layers.\1.self_attn.k_proj."),
+        (_DISTILBERT_LAYER + r"attention\.v_lin\.", r"model.layers.\1.self_attn.v_proj."),
+        (_DISTILBERT_LAYER + r"attention\.out_lin\.", r"model.layers.\1.self_attn.o_proj."),
+        (_DISTILBERT_LAYER + r"sa_layer_norm\.", r"model.layers.\1.attention_norms.residual_norm."),
+        (_DISTILBERT_LAYER + r"ffn\.lin1\.", r"model.layers.\1.mlp.up_proj."),
+        (_DISTILBERT_LAYER + r"ffn\.lin2\.", r"model.layers.\1.mlp.down_proj."),
+        (_DISTILBERT_LAYER + r"output_layer_norm\.", r"model.layers.\1.mlp_norms.residual_norm."),
+        (r"^vocab_transform\.", "lm_head.dense."),
+        (r"^vocab_layer_norm\.", "lm_head.norm."),
+        (r"^vocab_projector\.", "lm_head.decoder."),
+        (r"^pre_classifier\.", "pooler.dense."),
+        (r"^classifier\.", "classifier."),
+        (r"^qa_outputs\.", "qa_outputs."),
+    ),
+    dropped=(r"embeddings\.position_ids",),
+    fields=_distilbert_fields,
+)
+
+ELECTRA = Family(
+    name="electra",
+    model_types=("electra",),
+    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+    base_prefixes=("electra.",),
+    renames=(
+        (r"^embeddings_project\.", "model.embeddings.projection."),
+        *(rule for rule in BERT.renames if not rule[0].startswith((r"^pooler", r"^cls", r"^lm_head"))),
+        (r"^generator_predictions\.dense\.", "lm_head.dense."),
+        (r"^generator_predictions\.LayerNorm\.", "lm_head.norm."),
+        (r"^generator_lm_head\.", "lm_head.decoder."),
+    ),
+    dropped=(r"embeddings\.(position|token_type)_ids", r"discriminator_predictions\..*"),
+    fields=_electra_fields,
+    architecture_heads=(("ElectraForPreTraining", "base"),),  # the discriminator: its replaced-token head is dropped
+)
+
+# ModernBERT: fused Wqkv and Wi (input, gate: act(input) * gate) split; its `head` serves every task.
+MODERNBERT = Family(
+    name="modernbert",
+    model_types=("modernbert",),
+    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+    base_prefixes=("model.",),
+    renames=(
+        (r"^embeddings\.tok_embeddings\.", "model.embeddings.word_embeddings."),
+        (r"^embeddings\.norm\.", "model.embeddings.norm."),
+        (_LLAMA_LAYER + r"attn_norm\.", r"model.layers.\1.attention_norms.input_norm."),
+        (_LLAMA_LAYER + r"attn\.Wqkv\.", r"model.layers.\1.self_attn.qkv_proj."),
+        (_LLAMA_LAYER + r"attn\.Wo\.", r"model.layers.\1.self_attn.o_proj."),
+        (_LLAMA_LAYER + r"mlp_norm\.", r"model.layers.\1.mlp_norms.input_norm."),
+        (_LLAMA_LAYER + r"mlp\.Wi\.", r"model.layers.\1.mlp.gate_up_proj."),
+        (_LLAMA_LAYER + r"mlp\.Wo\.", r"model.layers.\1.mlp.down_proj."),
+        (r"^final_norm\.", "model.norm."),
+        (r"^head\.", "head."),
+        (r"^decoder\.", "lm_head.decoder."),
+        (r"^classifier\.", "classifier."),
+    ),
+    dropped=(),
+    fields=_modernbert_fields,
+    fused=((".qkv_proj.", (".q_proj.", ".k_proj.", ".v_proj.")), (".gate_up_proj.", (".gate_proj.", ".up_proj."))),
+    head_renames=(
+        ("masked-lm", r"^head\.", "lm_head."),
+        ("sequence-classification", r"^head\.", "pooler."),
+        ("question-answering", r"^classifier\.", "qa_outputs."),
+    ),
+)
+
 NORMSWAP = Family(
     name="normswap",
     model_types=("normswap",),
     heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering", "causal-lm"),
     base_prefixes=(),
-    renames=((r"^(model|pooler|classifier|qa_outputs|lm_head)\.", r"\1."), (r"^", "model.")),
+    renames=((r"^(model|pooler|head|classifier|qa_outputs|lm_head)\.", r"\1."), (r"^", "model.")),
     dropped=(),
     fields=None,
 )
 
-FAMILIES = (BERT, LLAMA, GPT2, GEMMA, OLMO2, NORMSWAP)
+FAMILIES = (BERT, LLAMA, GPT2, GEMMA, OLMO2, DISTILBERT, ELECTRA, MODERNBERT, NORMSWAP)
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 
 

@@ -94,9 +94,9 @@ class ResidualNorms(nn.Module):
     An empty slot is the identity; alpha is 1 except for DeepNorm.
     """
 
-    def __init__(self, config: NormSwapConfig, placement: str):
+    def __init__(self, config: NormSwapConfig, placement: str, input_norm: bool = True):
         super().__init__()
-        slots = NORM_PLACEMENTS[placement]
+        slots = NORM_PLACEMENTS[placement] - (set() if input_norm else {"input_norm"})
         self.input_norm = build_norm(config, config.hidden_size) if "input_norm" in slots else nn.Identity()
         self.output_norm = build_norm(config, config.hidden_size) if "output_norm" in slots else nn.Identity()
         self.residual_norm = build_norm(config, config.hidden_size) if "residual_norm" in slots else nn.Identity()
@@ -211,20 +211,24 @@ def flash_varlen_kwargs(sequence_ids: torch.Tensor) -> dict:
 
 
 class NormSwapEmbeddings(nn.Module):
-    """Token embeddings, plus token-type and absolute or sinusoidal position embeddings where configured."""
+    """Token embeddings, plus token-type and absolute or sinusoidal position embeddings where configured, projected
+    to `hidden_size` after the norm when `embedding_size` differs (ELECTRA)."""
 
     def __init__(self, config: NormSwapConfig):
         super().__init__()
         self.position_embedding_type = config.position_embedding_type
         self.position_offset = config.position_offset
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        size = config.embedding_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, size, padding_idx=config.pad_token_id)
         self.embedding_multiplier = config.embedding_multiplier
         if config.type_vocab_size > 0:
-            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size)
         if config.position_embedding_type == "absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.norm = build_norm(config, config.hidden_size) if config.embedding_norm else nn.Identity()
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, size)
+        self.norm = build_norm(config, size) if config.embedding_norm else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout)
+        if size != config.hidden_size:
+            self.projection = nn.Linear(size, config.hidden_size)
 
     def forward(
         self,
@@ -247,7 +251,8 @@ class NormSwapEmbeddings(nn.Module):
         elif self.position_embedding_type == "sinusoidal":
             table = sinusoidal_position_embeddings(position_ids + self.position_offset, embeddings.shape[-1])
             embeddings = embeddings + table.to(embeddings.dtype)
-        return self.dropout(self.norm(embeddings))
+        embeddings = self.dropout(self.norm(embeddings))
+        return self.projection(embeddings) if hasattr(self, "projection") else embeddings
 
 
 class NormSwapRotaryEmbedding(nn.Module):
@@ -467,7 +472,8 @@ class NormSwapLayer(GradientCheckpointingLayer):
         placement = config.layer_norm_placements[layer_idx]
         self.attention_type = config.layer_types[layer_idx]
         self.self_attn = NormSwapAttention(config, layer_idx)
-        self.attention_norms = ResidualNorms(config, placement)
+        attention_input_norm = layer_idx > 0 or config.first_attention_input_norm
+        self.attention_norms = ResidualNorms(config, placement, input_norm=attention_input_norm)
         self.mlp = MLP_CLASSES[config.mlp_type](config)
         self.mlp_norms = ResidualNorms(config, placement)
         if placement == "deepnorm":
@@ -623,14 +629,15 @@ class NormSwapModel(NormSwapPreTrainedModel):
 
 
 class NormSwapMaskedLMHead(nn.Module):
-    """BERT's masked-LM head: dense, activation, norm, then a decoder tied to the word embeddings."""
+    """BERT's masked-LM head: dense (to `embedding_size`), activation, norm, then a decoder tied to the word
+    embeddings."""
 
     def __init__(self, config: NormSwapConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.embedding_size, bias=config.head_dense_bias)
         self.act_fn = ACT2FN[config.hidden_act]
-        self.norm = build_norm(config, config.hidden_size)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.norm = build_norm(config, config.embedding_size)
+        self.decoder = nn.Linear(config.embedding_size, config.vocab_size, bias=config.decoder_bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.norm(self.act_fn(self.dense(hidden_states))))
@@ -672,18 +679,37 @@ class NormSwapForMaskedLM(NormSwapPreTrainedModel):
         )
 
 
-class NormSwapPooler(nn.Module):
-    """Pools a sequence to one vector: `cls` (dense + tanh on the first token), `mean` or `last` (last non-padding)."""
+class NormSwapClassifierHead(nn.Module):
+    """Dense -> `classifier_activation` -> norm (when `classifier_norm`): BERT's pooler is dense + tanh, ModernBERT's
+    head dense, gelu and norm; the identity without `classifier_activation`."""
 
     def __init__(self, config: NormSwapConfig):
         super().__init__()
+        if config.classifier_activation is not None:
+            self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.head_dense_bias)
+            self.act_fn = ACT2FN[config.classifier_activation]
+            self.norm = build_norm(config, config.hidden_size) if config.classifier_norm else nn.Identity()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "dense"):
+            return hidden_states
+        return self.norm(self.act_fn(self.dense(hidden_states)))
+
+
+class NormSwapPooler(NormSwapClassifierHead):
+    """Pools a sequence to one vector (`cls`: first token, `mean`, `last`: last non-padding token), then applies the
+    classifier head."""
+
+    def __init__(self, config: NormSwapConfig):
+        super().__init__(config)
         self.pooling = config.classifier_pooling
-        if self.pooling == "cls":
-            self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        return super().forward(self.pool(hidden_states, attention_mask))
+
+    def pool(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         if self.pooling == "cls":
-            return torch.tanh(self.dense(hidden_states[:, 0]))
+            return hidden_states[:, 0]
         if attention_mask is None:
             attention_mask = torch.ones(hidden_states.shape[:2], device=hidden_states.device)
         mask = attention_mask.to(hidden_states.dtype)
@@ -736,6 +762,7 @@ class NormSwapForTokenClassification(NormSwapPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = NormSwapModel(config)
+        self.head = NormSwapClassifierHead(config) if config.token_classifier_head else nn.Identity()
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels, bias=config.classifier_bias)
@@ -753,7 +780,7 @@ class NormSwapForTokenClassification(NormSwapPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> TokenClassifierOutput:
         outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        logits = self.classifier(self.dropout(self.head(outputs.last_hidden_state)))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config)
@@ -766,6 +793,7 @@ class NormSwapForQuestionAnswering(NormSwapPreTrainedModel):
     def __init__(self, config: NormSwapConfig):
         super().__init__(config)
         self.model = NormSwapModel(config)
+        self.head = NormSwapClassifierHead(config) if config.token_classifier_head else nn.Identity()
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
@@ -782,7 +810,7 @@ class NormSwapForQuestionAnswering(NormSwapPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> QuestionAnsweringModelOutput:
         outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        logits = self.qa_outputs(outputs.last_hidden_state)
+        logits = self.qa_outputs(self.head(outputs.last_hidden_state))
         sequence_ids = packed_sequence_ids(attention_mask, position_ids, kwargs.get("seq_idx"))
         if sequence_ids is not None:  # one row of logits per sequence of a packed batch, nothing past its end
             logits, attention_mask = unpack_sequences(logits, sequence_ids)

@@ -35,14 +35,17 @@ class NormSlot:
 def norm_slots(config: NormSwapConfig) -> list[NormSlot]:
     """Every norm of the placement in `config`, in forward order."""
     slots = []
-    if config.embedding_norm:
-        slots.append(NormSlot("model.embeddings.norm", 0, "write", "embedding"))
+    if config.embedding_norm:  # before the projection of projected embeddings: on no point of the residual stream
+        point = 0 if config.embedding_size == config.hidden_size else -1
+        slots.append(NormSlot("model.embeddings.norm", point, "write", "embedding"))
     for layer, placement in enumerate(config.layer_norm_placements):
         for offset, sublayer in enumerate(_SUBLAYERS):
             index = 2 * layer + offset
             prefix = f"model.layers.{layer}.{sublayer}"
             for slot in _SLOT_ORDER:
                 if slot not in NORM_PLACEMENTS[placement]:
+                    continue
+                if index == 0 and slot == "input_norm" and not config.first_attention_input_norm:
                     continue
                 point, kind = {"input_norm": (index, "read"), "output_norm": (index, "branch"), "residual_norm": (index + 1, "write")}[slot]
                 slots.append(NormSlot(f"{prefix}.{slot}", point, kind, f"sublayer {index}"))

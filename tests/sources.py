@@ -38,6 +38,11 @@ BERT_FAMILY = {
     "bert": ("BertConfig", {}),
     "roberta": ("RobertaConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
     "xlm-roberta": ("XLMRobertaConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
+    "distilbert": ("DistilBertConfig", {"hidden_dim": 64}),
+    "electra": ("ElectraConfig", {"embedding_size": 16}),
+    # three layers: global, local, local; a window of 4 tokens each side (local_attention 8)
+    "modernbert": ("ModernBertConfig", {"num_hidden_layers": 3, "local_attention": 8, "pad_token_id": 0,
+                                        "bos_token_id": 2, "eos_token_id": 3, "cls_token_id": 2, "sep_token_id": 3}),
 }
 LLAMA_FAMILY = {
     "llama": ("LlamaConfig", {}),
@@ -60,7 +65,8 @@ CAUSAL_FAMILY = {
 }
 ARCHITECTURE_PREFIX = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "llama": "Llama",
                        "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt2": "GPT2",
-                       "gemma2": "Gemma2", "gemma3_text": "Gemma3", "olmo2": "Olmo2"}
+                       "gemma2": "Gemma2", "gemma3_text": "Gemma3", "olmo2": "Olmo2", "distilbert": "DistilBert",
+                       "electra": "Electra", "modernbert": "ModernBert"}
 
 
 def save_source(folder: Path, model_type: str, head_suffix: str, seed: int = 0, tokenizer: bool = True, **overrides):
@@ -73,8 +79,11 @@ def save_source(folder: Path, model_type: str, head_suffix: str, seed: int = 0, 
     if tokenizer:
         vocab_size = (llama_tokenizer if llama else bert_tokenizer)(folder)
     extra = {"num_key_value_heads": 2} if model_type in LLAMA_FAMILY else {}
-    config = getattr(transformers, config_name)(vocab_size=vocab_size, **SHAPE, **extra, **{**fields, **overrides})
-    if not llama and model_type != "bert":
+    shape = {k: v for k, v in SHAPE.items() if k not in {**fields, **overrides}}
+    if model_type == "distilbert":  # its feed-forward width is hidden_dim
+        shape.pop("intermediate_size")
+    config = getattr(transformers, config_name)(vocab_size=vocab_size, **shape, **extra, **{**fields, **overrides})
+    if model_type in ("roberta", "xlm-roberta"):
         config.max_position_embeddings = 64 + config.pad_token_id + 1
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHITECTURE_PREFIX[model_type] + head_suffix)(config).eval()

@@ -440,3 +440,27 @@ def test_heal_variants_are_healed_once_and_resume_mid_healing(tmp_path, bert_sou
     assert "## Collapse" in report and (output / "collapse.png").stat().st_size > 0
     for run in document["runs"]:
         assert len(run["source_collapse"]["first_token"]) == 3 and "collapse" in run["diagnostics"][0]
+
+
+NO_DROPOUT = {
+    "distilbert": dict(dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0),
+    "electra": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "modernbert": {},  # none by default
+}
+NATIVE_PLACEMENT = {"distilbert": "post", "electra": "post", "modernbert": "pre"}
+
+
+@pytest.mark.parametrize("model_type", ["distilbert", "electra", "modernbert"])
+def test_native_and_converted_encoder_families_train_alike(tmp_path, model_type):
+    """Every variant starts from the same classification head, whatever the family's head layout (without dropout,
+    whose draws differ: DistilBERT has none on the attention branch, ELECTRA's head has one before its dense layer)."""
+    save_source(tmp_path / model_type, model_type, "Model", **NO_DROPOUT[model_type])
+    placement = NATIVE_PLACEMENT[model_type]
+    variants = ["native", placement]
+    saved = run_comparison(experiment(tmp_path, str(tmp_path / model_type), variants=variants, seeds=1, epochs=1))
+    runs = {run["variant"]: run for run in saved["runs"]}
+    native_losses = [entry["loss"] for entry in runs["native"]["log_history"] if "loss" in entry]
+    converted_losses = [entry["loss"] for entry in runs[placement]["log_history"] if "loss" in entry]
+    assert len(native_losses) == len(converted_losses) >= 2
+    assert max(abs(a - b) for a, b in zip(native_losses, converted_losses)) <= 1e-4
+    assert abs(runs["native"]["metrics"]["loss"] - runs[placement]["metrics"]["loss"]) <= 1e-4

@@ -91,6 +91,11 @@ BAD_CONFIGS = [
     (dict(initializer_range=-0.02), "initializer_range=-0.02"),
     (dict(pad_token_id=99), "pad_token_id=99 .*below vocab_size \\(99\\)"),
     (dict(is_decoder=True), "is_decoder=True .*use is_causal"),
+    (dict(embedding_size=0), "embedding_size=0 .*positive"),
+    (dict(classifier_activation="sigmoid2"), "classifier_activation='sigmoid2' .*None \\(no dense layer\\)"),
+    (dict(classifier_pooling="mean", classifier_norm=True), "classifier_norm=True .*needs the classifier head's dense"),
+    (dict(classifier_pooling="mean", token_classifier_head=True), "token_classifier_head=True .*dense layer"),
+    (dict(first_attention_input_norm=False), "first_attention_input_norm=False .*'post' does not have"),
 ]
 
 
@@ -102,3 +107,12 @@ def test_bad_configuration_is_refused(overrides, message):
 
 def test_bad_configuration_table_is_large_enough():
     assert len(BAD_CONFIGS) >= 25
+
+
+def test_new_field_defaults_keep_existing_behaviour():
+    config = tiny_config()
+    assert config.embedding_size == config.hidden_size and config.first_attention_input_norm
+    assert config.classifier_activation == "tanh" and not config.classifier_norm and not config.token_classifier_head
+    assert tiny_config(classifier_pooling="mean").classifier_activation is None
+    assert tiny_config(norm_placement="pre").embedding_norm is False
+    assert tiny_config(norm_placement="pre", embedding_size=16).embedding_norm is True  # before the projection

@@ -47,6 +47,22 @@ CASES = [
     ("qwen2", "ForCausalLM", "causal-lm"),
     ("qwen3", "ForCausalLM", "causal-lm"),
     ("qwen3", "ForSequenceClassification", "sequence-classification"),
+    ("distilbert", "Model", "base"),
+    ("distilbert", "ForMaskedLM", "masked-lm"),
+    ("distilbert", "ForSequenceClassification", "sequence-classification"),
+    ("distilbert", "ForTokenClassification", "token-classification"),
+    ("distilbert", "ForQuestionAnswering", "question-answering"),
+    ("electra", "Model", "base"),
+    ("electra", "ForPreTraining", "base"),
+    ("electra", "ForMaskedLM", "masked-lm"),
+    ("electra", "ForSequenceClassification", "sequence-classification"),
+    ("electra", "ForTokenClassification", "token-classification"),
+    ("electra", "ForQuestionAnswering", "question-answering"),
+    ("modernbert", "Model", "base"),
+    ("modernbert", "ForMaskedLM", "masked-lm"),
+    ("modernbert", "ForSequenceClassification", "sequence-classification"),
+    ("modernbert", "ForTokenClassification", "token-classification"),
+    ("modernbert", "ForQuestionAnswering", "question-answering"),
 ]
 
 
@@ -71,7 +87,7 @@ def test_conversion_without_swap_is_exact(tmp_path, model_type, suffix, head):
     native.config.pad_token_id = tokenizer.pad_token_id
     real = batch["attention_mask"].bool()
     with torch.no_grad():
-        expected, got = native(**batch)[0], ours(**batch)[0]
+        expected, got = (native.base_model if head == "base" else native)(**batch)[0], ours(**batch)[0]
     difference = (expected - got).abs()
     assert (difference[real] if difference.shape[:2] == real.shape else difference).max().item() <= 1e-4
 
@@ -352,3 +368,132 @@ def test_legacy_pickle_is_read_with_allow_pickle(tmp_path):
     torch.save(model.state_dict(), tmp_path / "source" / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), allow_pickle=True, log=lambda _: None)
     assert report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["distilbert", "electra", "modernbert"])
+def test_encoder_family_export_round_trip_is_bit_exact(tmp_path, model_type):
+    suffixes = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+    for suffix in suffixes:
+        save_source(tmp_path / suffix, model_type, suffix, tokenizer=suffix == "Model")
+        convert_checkpoint(str(tmp_path / suffix), str(tmp_path / f"{suffix}-ns"), log=lambda _: None)
+        assert cli(["export-native", str(tmp_path / f"{suffix}-ns"), str(tmp_path / f"{suffix}-back")]) == 0
+        original, back = tensors(tmp_path / suffix), tensors(tmp_path / f"{suffix}-back")
+        assert set(original) == set(back), suffix
+        assert all(torch.equal(tensor, back[name]) for name, tensor in original.items()), suffix
+        config = json.loads((tmp_path / f"{suffix}-back" / "config.json").read_text())
+        assert config["model_type"] == model_type and config["architectures"][0].endswith(suffix)
+
+
+def test_distilbert_sinusoidal_table_converts_exactly(tmp_path):
+    native = save_source(tmp_path / "source", "distilbert", "ForMaskedLM", sinusoidal_pos_embds=True)
+    table = native.distilbert.embeddings.position_embeddings.weight
+    assert torch.allclose(table[1, 0::2], torch.sin(torch.tensor(1.0) / 10000 ** (torch.arange(0, 32, 2) / 32)))
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
+    assert report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5 and report["measured"]["logits_max_abs_diff"] <= 1e-4
+    assert torch.equal(tensors(tmp_path / "out")["model.embeddings.position_embeddings.weight"], table)
+
+
+def test_electra_projected_embeddings_keep_their_norm_under_a_swap(tmp_path):
+    save_source(tmp_path / "source", "electra", "Model")
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "pre"), norm_placement="pre", log=lambda _: None)
+    config = NormSwapConfig.from_pretrained(tmp_path / "pre")
+    assert config.embedding_size == 16 and config.embedding_norm and config.final_norm
+    assert report["norm_sources"]["model.embeddings.norm"] == "model.embeddings.norm"
+    assert report["norm_sources"]["model.layers.0.attention_norms.input_norm"] is None  # nothing at point 0
+    assert report["norm_sources"]["model.layers.1.attention_norms.input_norm"] == "model.layers.0.mlp_norms.residual_norm"
+    source, out = tensors(tmp_path / "source"), tensors(tmp_path / "pre")
+    assert torch.equal(out["embeddings.norm.weight"], source["embeddings.LayerNorm.weight"])
+    assert torch.equal(out["embeddings.projection.weight"], source["embeddings_project.weight"])
+
+
+@pytest.mark.parametrize("model_type", ["distilbert", "electra", "modernbert"])
+def test_converted_encoder_is_padding_invariant(tmp_path, model_type):
+    save_source(tmp_path / "source", model_type, "ForTokenClassification", tokenizer=False)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), verify=False, log=lambda _: None)
+    model = HEAD_CLASSES["token-classification"].from_pretrained(tmp_path / "out").eval()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1, 64, (1, 11), generator=generator)
+    padded = torch.cat([input_ids, torch.zeros(1, 7, dtype=torch.long)], dim=1)
+    mask = torch.cat([torch.ones(1, 11), torch.zeros(1, 7)], dim=1).long()
+    with torch.no_grad():
+        alone = model(input_ids).logits
+        with_padding = model(padded, attention_mask=mask).logits[:, :11]
+    assert (alone - with_padding).abs().max().item() <= 1e-5
+
+
+def test_modernbert_local_layers_slide_beyond_the_window(tmp_path):
+    """Global and local layers with their own rope theta, on padded sequences 10x the window of 4 tokens each side."""
+    native = save_source(tmp_path / "source", "modernbert", "ForMaskedLM", tokenizer=False,
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160_000.0},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
+    config = NormSwapConfig.from_pretrained(tmp_path / "out")
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert config.sliding_window == 4 and config.first_attention_input_norm is False
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(4, 64, (2, 40), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 29:] = 0
+    real = attention_mask.bool()
+    for implementation in ("eager", "sdpa"):
+        ours, wide = (
+            HEAD_CLASSES["masked-lm"].from_pretrained(tmp_path / "out", attn_implementation=implementation, **window)
+            for window in ({}, {"sliding_window": 64})  # the same weights with a window wider than the text differ
+        )
+        native.set_attn_implementation(implementation)
+        with torch.no_grad():
+            expected = native.model(input_ids, attention_mask=attention_mask).last_hidden_state
+            got = ours.eval().model(input_ids, attention_mask=attention_mask).last_hidden_state
+            unwindowed = wide.eval().model(input_ids, attention_mask=attention_mask).last_hidden_state
+        assert (expected - got)[real].abs().max().item() <= 1e-5, implementation
+        assert (expected - unwindowed)[real].abs().max().item() > 1e-3, implementation
+
+
+def test_modernbert_swaps(tmp_path):
+    save_source(tmp_path / "source", "modernbert", "ForMaskedLM", tokenizer=False)
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "post"), norm_placement="post", log=lambda _: None)
+    config = NormSwapConfig.from_pretrained(tmp_path / "post")
+    assert config.first_attention_input_norm and config.embedding_norm and not config.final_norm
+    sources = report["norm_sources"]
+    assert sources["model.embeddings.norm"] == "model.embeddings.norm"
+    assert sources["model.layers.0.attention_norms.residual_norm"] == "model.layers.0.mlp_norms.input_norm"
+    assert sources["model.layers.2.mlp_norms.residual_norm"] == "model.norm"
+    assert cli(["export-native", str(tmp_path / "post"), str(tmp_path / "back")]) == 1
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "sandwich"), norm_placement="sandwich",
+                                log=lambda _: None)
+    assert report["norm_sources"]["model.layers.0.attention_norms.input_norm"] == "model.embeddings.norm"
+    assert NormSwapConfig.from_pretrained(tmp_path / "sandwich").embedding_norm is False
+
+
+def test_modernbert_mean_pooling_classifier_converts_exactly(tmp_path):
+    save_source(tmp_path / "source", "modernbert", "ForSequenceClassification", tokenizer=False,
+                classifier_pooling="mean", classifier_bias=True)
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
+    assert report["measured"]["logits_max_abs_diff"] <= 1e-4
+    config = NormSwapConfig.from_pretrained(tmp_path / "out")
+    assert config.classifier_pooling == "mean" and config.classifier_activation == "gelu" and config.head_dense_bias
+
+
+@pytest.mark.parametrize("model_type", ["distilbert", "electra"])
+def test_post_ln_families_swap_to_deepnorm_exactly(tmp_path, model_type):
+    save_source(tmp_path / "source", model_type, "ForSequenceClassification", tokenizer=False)
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="deepnorm", log=lambda _: None)
+    assert report["swap"]["exact_swap"] == "post<->deepnorm" and report["exact"] is True
+    assert report["swap_distance"]["logits_max_abs_diff"] <= 1e-4
+
+
+def test_modernbert_layernorm_to_rmsnorm_is_measured_as_approximate(tmp_path):
+    save_source(tmp_path / "source", "modernbert", "ForTokenClassification", tokenizer=False)
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_type="rmsnorm", log=lambda _: None)
+    assert report["swap"]["exact_swap"] is None and report["exact"] is False
+
+
+def test_converted_modernbert_is_a_source_again(tmp_path):
+    save_source(tmp_path / "source", "modernbert", "ForTokenClassification", tokenizer=False)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "once"), log=lambda _: None)
+    report = convert_checkpoint(str(tmp_path / "once"), str(tmp_path / "twice"), log=lambda _: None)
+    assert report["exact"] is True and report["measured"]["logits_max_abs_diff"] == 0.0
+    once, twice = tensors(tmp_path / "once"), tensors(tmp_path / "twice")
+    assert set(once) == set(twice) and all(torch.equal(t, twice[n]) for n, t in once.items())
+    assert "head.norm.weight" in twice

@@ -133,3 +133,29 @@ def test_family_variant_loads_and_generates_in_a_clean_environment(tmp_path, ver
     real = attention_mask.bool()
     assert (torch.tensor(result["output"]) - expected)[real].abs().max().item() <= 1e-5
     assert result["tokens"] == tokens.tolist()
+
+
+ENCODER_FAMILY_VARIANTS = {  # one converted variant of each encoder family beyond BERT, with its most telling head
+    "distilbert": ("ForSequenceClassification", "pre", "AutoModelForSequenceClassification"),  # ReLU classifier
+    "electra": ("ForSequenceClassification", "sandwich", "AutoModelForSequenceClassification"),  # projected embeddings
+    # unswapped: local and global layers, rope per layer type, no first attention norm, a head on every token
+    "modernbert": ("ForTokenClassification", None, "AutoModelForTokenClassification"),
+}
+
+
+@pytest.mark.skipif(not CLEAN_PYTHONS, reason="run through .ci/run, which builds the clean environments")
+@pytest.mark.parametrize("version", sorted(CLEAN_PYTHONS))
+@pytest.mark.parametrize("model_type", ENCODER_FAMILY_VARIANTS)
+def test_encoder_family_variant_loads_in_a_clean_environment(tmp_path, version, model_type):
+    suffix, placement, auto_class = ENCODER_FAMILY_VARIANTS[model_type]
+    save_source(tmp_path / "source", model_type, suffix, tokenizer=False)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "model"), norm_placement=placement, log=lambda _: None)
+    model = getattr(transformers, auto_class).from_pretrained(tmp_path / "model").eval()
+    input_ids, attention_mask = padded_batch(vocab_size=64, lengths=(12, 7))
+    torch.save({"input_ids": input_ids, "attention_mask": attention_mask}, tmp_path / "batch.pt")
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask)[0]
+
+    result = load_in_clean_environment(tmp_path, version, auto_class)
+    assert result["version"] == version and result["class"] == type(model).__name__
+    assert (torch.tensor(result["output"]) - expected).abs().max().item() <= 1e-6
