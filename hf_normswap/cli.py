@@ -127,6 +127,8 @@ def _add_heal(commands) -> None:
     parser.add_argument("--max-length", type=int, default=DEFAULTS["max_length"])
     parser.add_argument("--eval-size", type=int, default=EVAL_SIZE, help="held-out texts measured before, during and after")
     parser.add_argument("--checkpoint-dir", help="keep resumable Trainer checkpoints here; a rerun continues from the last")
+    parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=DEFAULTS["packing"],
+                        help="train the student on padding-free batches (default: on; the teacher keeps padding)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
 
 
@@ -134,7 +136,7 @@ def _run_heal(args) -> None:
     from .heal import heal_checkpoint
 
     options = {name: getattr(args, name) for name in ("teacher", "data", "text_column", "data_dir", "objective", "max_steps",
-                                                      "learning_rate", "batch_size", "max_length", "eval_size", "checkpoint_dir", "overwrite")}
+                                                      "learning_rate", "batch_size", "max_length", "eval_size", "checkpoint_dir", "packing", "overwrite")}
     heal_checkpoint(args.variant, args.output, **options)
 
 
@@ -145,7 +147,8 @@ def _add_compare(commands) -> None:
         "compare",
         help="fine-tune variants through the Trainer and report",
         description="Without --model or --config, the embedded default experiment (hf_normswap/data/default_experiment.yaml: "
-        "all-MiniLM-L6-v2 as post, pre and sandwich on the shipped SST-2 sample) is the base that options override.",
+        "all-MiniLM-L6-v2 as post, pre, pre+heal and sandwich+heal on the shipped SST-2 sample) is the base that options "
+        "override.",
     )
     parser.add_argument(
         "--config",

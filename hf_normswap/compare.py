@@ -189,10 +189,10 @@ def _healed_variant(model: str, name: str, from_config: bool, task, experiment: 
     if not (folder / "heal.json").exists():
         heal_checkpoint(
             converted["path"], str(folder), teacher=model, checkpoint_dir=str(output / "healing" / _folder(name)),
-            overwrite=True, log=None, **(experiment.heal or {}),
+            overwrite=True, log=None, **{"packing": experiment.packing, **(experiment.heal or {})},
         )
     record = json.loads((folder / "heal.json").read_text())
-    summary = {key: record[key] for key in ("objective", "steps", "learning_rate", "batch_size", "seconds", "resumed", "teacher_collapse")}
+    summary = {key: record[key] for key in ("objective", "steps", "learning_rate", "batch_size", "packing", "seconds", "resumed", "teacher_collapse")}
     summary.update(before=record["before"][-1], after=record["after"][-1], data=record["data"]["name"])
     return {"kind": "converted", "path": str(folder), "heal": summary}
 

@@ -41,13 +41,14 @@ from .checkpoint import check_output, output_folder
 from .collapse import POOLINGS, boundary_states, mean_pairwise_cosine, pool
 from .convert import copy_tokenizer_files
 from .heads import HEAD_CLASSES, head_of_config
+from .packing import pack_padded, unpack
 from .swap_effect import mask_every_sixth
 from .tasks import GLUE_TASKS, load_task
 
 
 OBJECTIVES = ("hidden", "cka", "similarity", "mlm")
 DEFAULTS = dict(
-    data="sst2-sample", objective="similarity", max_steps=300, learning_rate=1e-3, batch_size=32, max_length=128
+    data="sst2-sample", objective="similarity", max_steps=500, learning_rate=1e-3, batch_size=32, max_length=128, packing=True
 )
 EVAL_SIZE = 256
 _CODE_DIR = Path(__file__).parent
@@ -97,16 +98,17 @@ def heal_loss(objective: str, student: tuple, teacher: tuple, attention_mask: to
 class HealTrainer(Trainer):
     """A Trainer whose loss is the distance of the model's boundary states to the teacher's."""
 
-    def __init__(self, *args, teacher: torch.nn.Module, objective: str, **kwargs):
+    def __init__(self, *args, teacher: torch.nn.Module, objective: str, packing: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.to(self.args.device).eval()
         self.objective = objective
+        self.packing = packing
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels", None)
         with torch.no_grad():
             teacher = self.teacher(**inputs, output_hidden_states=True)
-        student = model(**inputs, output_hidden_states=True)
+        student = self._student_outputs(model, inputs, token_logits=labels is not None)
         loss = heal_loss(self.objective, student.hidden_states, teacher.hidden_states, inputs["attention_mask"])
         if labels is not None:  # masked-LM distillation on the masked tokens
             masked = labels != -100
@@ -115,6 +117,18 @@ class HealTrainer(Trainer):
                 log_target=True, reduction="batchmean",
             )
         return (loss, student) if return_outputs else loss
+
+    def _student_outputs(self, model, inputs: dict, token_logits: bool):
+        """The student's outputs on the padded batch; with packing, computed on the batch packed and its hidden states
+        (and per-token logits) laid back out."""
+        if not self.packing:
+            return model(**inputs, output_hidden_states=True)
+        packed, index = pack_padded(inputs)
+        outputs = model(**{k: v.to(self.args.device) for k, v in packed.items()}, output_hidden_states=True)
+        outputs.hidden_states = tuple(unpack(states, index) for states in outputs.hidden_states)
+        if token_logits:
+            outputs.logits = unpack(outputs.logits, index)
+        return outputs
 
 
 @torch.no_grad()
@@ -253,14 +267,14 @@ def heal_checkpoint(
     max_length: int = DEFAULTS["max_length"],
     eval_size: int = EVAL_SIZE,
     checkpoint_dir: str | None = None,
-    collator=None,
+    packing: bool = DEFAULTS["packing"],
     overwrite: bool = False,
     log=print,
 ) -> dict:
     """Heals the NormSwap checkpoint VARIANT into OUTPUT (same format, plus heal.json and heal.png); returns heal.json.
 
     With `checkpoint_dir`, the Trainer keeps resumable checkpoints there and a rerun continues from the last one.
-    `collator` replaces the padding collator (it receives tokenized rows with `input_ids`, `attention_mask`, ...).
+    With `packing`, the student trains on padding-free batches (the teacher, which need not pack, keeps padding).
     """
     if objective not in OBJECTIVES:
         raise HealError(f"objective={objective!r} is invalid: allowed are {list(OBJECTIVES)}")
@@ -299,7 +313,7 @@ def heal_checkpoint(
     pad = DataCollatorWithPadding(tokenizer)
     batches = [pad([held_out[i] for i in range(start, min(start + batch_size, len(held_out)))]) for start in range(0, len(held_out), batch_size)]
     batches = [dict(batch) for batch in batches]
-    collator = collator or (DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if mlm else pad)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if mlm else pad
 
     before = measure(student, teacher_model, batches)
     if teacher_mlm:
@@ -328,7 +342,7 @@ def heal_checkpoint(
         )
         trainer = HealTrainer(
             model=student, args=args, train_dataset=train, data_collator=collator, teacher=teacher_model,
-            objective=objective, callbacks=[probe],
+            objective=objective, packing=packing, callbacks=[probe],
         )
         resume = checkpoint_dir is not None and any(work.glob("checkpoint-*"))
         started = time.perf_counter()
@@ -343,6 +357,7 @@ def heal_checkpoint(
             "learning_rate": learning_rate,
             "batch_size": batch_size,
             "max_length": max_length,
+            "packing": packing,
             "seconds": seconds,
             "resumed": resume,
             "teacher_collapse": before["teacher_collapse"],

@@ -63,3 +63,24 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
         rows[row].append(index)
         room[row] -= lengths[index]
     return rows
+
+
+def pack_padded(batch: dict[str, torch.Tensor], pad_token_id: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A padded batch (with `attention_mask`) packed as `DataCollatorWithPacking` packs it, and for every padded
+    position its index in the flattened packed rows (-1 for padding), for `unpack`."""
+    real = batch["attention_mask"].bool()
+    per_token = [key for key, value in batch.items() if key != "attention_mask" and value.shape == real.shape]
+    features = [{key: batch[key][row][real[row]].tolist() for key in per_token} for row in range(len(real))]
+    packed = DataCollatorWithPacking(pad_token_id)(features)
+    flat = packed["seq_idx"].flatten()
+    order = torch.argsort(torch.where(flat < 0, len(real), flat), stable=True)  # each example's tokens, in order
+    index = torch.full(real.shape, -1)
+    index[real] = order[: int(real.sum())]
+    return packed, index
+
+
+def unpack(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-token `states` (rows, length, ...) of a packed batch laid back out as the padded batch (zeros at padding)."""
+    flat = states.flatten(0, 1)[index.clamp_min(0).flatten().to(states.device)]
+    flat = flat * (index.flatten() >= 0).to(states.device, states.dtype).view(-1, *[1] * (states.dim() - 2))
+    return flat.view(*index.shape, *states.shape[2:])

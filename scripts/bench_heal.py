@@ -4,7 +4,7 @@ Heals with the default settings (or those given), then prints, on 256 held-out S
 shipped sample: the last hidden state's mean token cosine to the source (target >= 0.95), the first-token ([CLS])
 collapse figure against the source's (target: within 0.05), and the healing time (target: <= 300 s on 2 CPU cores).
 
-    python scripts/bench_heal.py [--objective relational] [--max-steps 300] [--learning-rate 2e-4] [--placement pre]
+    python scripts/bench_heal.py [--objective hidden] [--max-steps 300] [--learning-rate 2e-4] [--placement pre] [--no-packing]
 """
 
 import argparse
@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=DEFAULTS["max_steps"])
     parser.add_argument("--learning-rate", type=float, default=DEFAULTS["learning_rate"])
     parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=DEFAULTS["packing"], help="padding-free student batches")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
@@ -32,7 +33,7 @@ def main() -> None:
         convert_checkpoint(default_model(), str(converted), norm_placement=args.placement, head="base", log=lambda line: None)
         report = heal_checkpoint(
             str(converted), str(healed), objective=args.objective, max_steps=args.max_steps,
-            learning_rate=args.learning_rate, batch_size=args.batch_size, eval_size=256, log=None,
+            learning_rate=args.learning_rate, batch_size=args.batch_size, packing=args.packing, eval_size=256, log=None,
         )
     before, after = report["before"][-1], report["after"][-1]
     source = report["teacher_collapse"]["first_token"][-1]
@@ -46,7 +47,7 @@ def main() -> None:
         ("healing seconds", None, report["seconds"], "<= 300 on 2 CPU cores", report["seconds"] <= 300),
     ]
     print(f"MiniLM post -> {args.placement}, healed: objective {args.objective}, {args.max_steps} steps, batch "
-          f"{args.batch_size}, learning rate {args.learning_rate}; {report['data']['held_out_rows']} held-out sentences")
+          f"{args.batch_size}, learning rate {args.learning_rate}, packing {args.packing}; {report['data']['held_out_rows']} held-out sentences")
     print(f"{'figure':48} {'converted':>10} {'healed':>10}  target")
     for name, start, end, target, met in rows:
         verdict = "" if met is None else ("met" if met else "MISSED")

@@ -288,6 +288,7 @@ def test_main_job_defaults_to_the_embedded_experiment(tmp_path):
                 "--output", str(tmp_path / "out")]) == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["experiment"]["model"] is None and saved["experiment"]["learning_rate"] == 1e-4
+    assert saved["experiment"]["packing"] is True and saved["experiment"]["variants"] == ["post"]
     assert saved["task"] == {"name": "sst2-sample", "metric": "sst2", "train_size": 64, "validation_size": 436,
                              "majority_baseline": pytest.approx(223 / 436)}
     config = json.loads((tmp_path / "out" / "variants" / "post" / "config.json").read_text())
@@ -409,7 +410,7 @@ def test_heal_variants_are_healed_once_and_resume_mid_healing(tmp_path, bert_sou
 
     settings = {"max_steps": 6, "batch_size": 8, "learning_rate": 1e-3, "eval_size": 8, "objective": "hidden",
                 "data": str(tiny_task(tmp_path / "task") / "train.jsonl"), "text_column": "text"}
-    fields = dict(variants=["post", "pre+heal"], epochs=1, heal=settings)
+    fields = dict(variants=["post", "pre+heal"], epochs=1, heal=settings, packing=True)  # healing packs too
 
     original = heal.HealTrainer
 
@@ -429,7 +430,7 @@ def test_heal_variants_are_healed_once_and_resume_mid_healing(tmp_path, bert_sou
     monkeypatch.setattr(heal, "HealTrainer", original)
     document = run_comparison(experiment(tmp_path, bert_source, **fields))
     record = json.loads((output / "variants" / "pre+heal" / "heal.json").read_text())
-    assert record["resumed"] is True and record["steps"] == 6 and record["history"][-1]["step"] == 6
+    assert record["resumed"] is True and record["steps"] == 6 and record["history"][-1]["step"] == 6 and record["packing"]
     assert record["teacher"] == bert_source and not (output / "healing" / "pre+heal").exists()
     assert (output / "variants" / "pre" / "conversion.json").exists()  # the converted variant it started from
     healed_runs = [run for run in document["runs"] if run["variant"] == "pre+heal"]

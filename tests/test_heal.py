@@ -138,3 +138,23 @@ def test_masked_lm_distillation(tmp_path):
     losses = report["masked_lm_loss"]
     assert losses["after"] < losses["before"] and losses["teacher"] > 0, losses
     assert report["after"][-1]["token_cosine"] > report["before"][-1]["token_cosine"]
+
+
+@pytest.mark.parametrize("objective", ["similarity", "mlm"])
+def test_packed_healing_is_padded_healing(tmp_path, objective):
+    """Without dropout, healing on padding-free batches computes what healing on padded ones does, step by step."""
+    save_source(tmp_path / "bert", "bert", "ForMaskedLM", initializer_range=0.2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre", log=lambda line: None)
+    (tmp_path / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
+    reports = {
+        packing: heal_checkpoint(str(tmp_path / "pre"), str(tmp_path / f"healed-{packing}"), data=str(tmp_path / "text.txt"),
+                                 objective=objective, packing=packing, **HEAL)
+        for packing in (False, True)
+    }
+    assert reports[True]["packing"] and not reports[False]["packing"]
+    padded, packed = ([entry for entry in reports[p]["log_history"] if "loss" in entry] for p in (False, True))
+    assert len(padded) == len(packed) == HEAL["max_steps"]
+    for a, b in zip(padded, packed):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3, abs=1e-4)
+    for a, b in zip(reports[False]["after"], reports[True]["after"]):
+        assert a["token_cosine"] == pytest.approx(b["token_cosine"], abs=1e-4) and a["mse"] == pytest.approx(b["mse"], abs=1e-4)
