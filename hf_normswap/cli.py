@@ -133,10 +133,10 @@ def _add_heal(commands) -> None:
 
 
 def _run_heal(args) -> None:
+    from .experiment import HEAL_SETTINGS
     from .heal import heal_checkpoint
 
-    options = {name: getattr(args, name) for name in ("teacher", "data", "text_column", "data_dir", "objective", "max_steps",
-                                                      "learning_rate", "batch_size", "max_length", "eval_size", "checkpoint_dir", "packing", "overwrite")}
+    options = {name: getattr(args, name) for name in (*HEAL_SETTINGS, "teacher", "checkpoint_dir", "overwrite")}
     heal_checkpoint(args.variant, args.output, **options)
 
 

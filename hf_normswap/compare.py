@@ -250,6 +250,7 @@ class _Runner:
     def __init__(self, experiment: Experiment, task, tokenizer, state: PartialState):
         self.experiment, self.task, self.tokenizer, self.state = experiment, task, tokenizer, state
         self.causal = experiment.task_type == "causal-lm"
+        self.source_collapses = {}  # the pretrained source's collapse figures, by probe
         columns = task.data["train"].column_names
         self.encoded = task.data.map(
             lambda batch: tokenizer(*(batch[c] for c in task.text_columns), truncation=True, max_length=experiment.max_length),
@@ -315,7 +316,10 @@ class _Runner:
         probe = self.collator([evaluation[i] for i in range(min(16, len(evaluation)))])
         probe = {name: values.tolist() for name, values in probe.items()}
         diagnostics = DiagnosticsCallback(probe=probe, num_layers=model.config.num_hidden_layers)
-        source_collapse = _source_collapse(source, experiment.model or default_model(), probe)
+        key = (source["kind"] == "config", json.dumps(probe))  # the same for every run on this probe
+        if key not in self.source_collapses:
+            self.source_collapses[key] = _source_collapse(source, experiment.model or default_model(), probe)
+        source_collapse = self.source_collapses[key]
         trainer = Trainer(
             model=model,
             args=args,

@@ -61,6 +61,13 @@ _DEFAULT_HEADS = (  # what only ModernBERT's head layout uses
     ("decoder_bias", True, None),
 )
 
+def _changed(needs: tuple, *rows: tuple) -> tuple:
+    """`needs` with each of `rows` in place of the row of its field, or added at the end when the field is new."""
+    replacing = {row[0]: row for row in rows}
+    fields = {need[0] for need in needs}
+    return (*(replacing.get(need[0], need) for need in needs), *(row for row in rows if row[0] not in fields))
+
+
 # (field, required value, how to read it off the config); every one that fails blocks the export.
 _POST_LN_ENCODER = (  # BERT, ELECTRA, DistilBERT
     ("norm_placement", {"post"}, _placements),
@@ -87,10 +94,10 @@ _POST_LN_ENCODER = (  # BERT, ELECTRA, DistilBERT
 )
 _BERT_NEEDS = (*_POST_LN_ENCODER, _SAME_EMBEDDING_SIZE, ("classifier_activation", "tanh", None))
 _ELECTRA_NEEDS = (*_POST_LN_ENCODER, ("classifier_activation", "gelu", None))
-_DISTILBERT_NEEDS = (
-    *(need for need in _POST_LN_ENCODER if need[0] != "type_vocab_size"),
-    _SAME_EMBEDDING_SIZE,
+_DISTILBERT_NEEDS = _changed(
+    _POST_LN_ENCODER,
     ("type_vocab_size", 0, None),
+    _SAME_EMBEDDING_SIZE,
     ("norm_eps", 1e-12, None),
     ("classifier_activation", "relu", None),
 )
@@ -136,30 +143,17 @@ _LLAMA_NEEDS = (
     _SAME_EMBEDDING_SIZE,
     *_DEFAULT_HEADS,
 )
-_GPT2_NEEDS = (
+_GPT2_NEEDS = _changed(
+    _POST_LN_ENCODER,
     ("norm_placement", {"pre"}, _placements),
-    ("norm_type", "layernorm", None),
-    ("norm_bias", True, None),
-    ("position_embedding_type", "absolute", None),
-    ("position_offset", 0, None),
     ("embedding_norm", False, None),
     ("final_norm", True, None),
     ("is_causal", True, None),
-    ("layer_types", "all full_attention", _all_full),
-    ("qk_norm", False, None),
-    ("mlp_type", "standard", None),
-    ("mlp_bias", True, None),
-    ("attention_bias", True, None),
-    ("attention_output_bias", True, None),
-    _MHA,
-    _HEAD_DIM,
     ("type_vocab_size", 0, None),
     ("classifier_pooling", "last", None),
     ("classifier_bias", False, None),
     ("query_pre_attn_scalar", "None or 1", lambda c: "None or 1" if c.query_pre_attn_scalar in (None, 1) else c.query_pre_attn_scalar),
-    *_PLAIN_ATTENTION[1:],
     _SAME_EMBEDDING_SIZE,
-    *_DEFAULT_HEADS,
 )
 _GEMMA_NEEDS = (
     ("norm_placement", {"sandwich"}, _placements),

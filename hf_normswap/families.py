@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedConfig
 
-from .configuration_normswap import NormSwapConfig
+from .configuration_normswap import NormSwapConfig, rope_parameters_by_layer_type
 from .heads import head_of_architecture
 
 
@@ -197,7 +197,7 @@ def _gpt2_fields(source: PreTrainedConfig) -> dict:
 def _rope_of_layer_types(source: PreTrainedConfig, layer_types: list[str]) -> dict:
     """The source's rope parameters; a per-layer-type dict keeps the types in use."""
     rope = dict(source.rope_parameters)
-    if set(rope) <= {"full_attention", "sliding_attention"}:
+    if rope_parameters_by_layer_type(rope):
         return {layer_type: dict(rope[layer_type]) for layer_type in sorted(set(layer_types))}
     return rope
 

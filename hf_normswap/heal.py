@@ -401,24 +401,21 @@ def _save(student: torch.nn.Module, source: Path, staging: Path, report: dict) -
     """The healed weights (without what the variant initialises at load), its code, tokenizer, and its
     conversion.json (lineage included) with the healing added."""
     record = source / "conversion.json"
-    at_load = set(json.loads(record.read_text())["weights"]["initialized_at_load"]) if record.exists() else set()
+    conversion = json.loads(record.read_text()) if record.exists() else None
+    at_load = set(conversion["weights"]["initialized_at_load"]) if conversion else set()
     state = {name: tensor for name, tensor in student.state_dict().items() if name not in at_load}
     student.save_pretrained(staging, state_dict=state)
     for code in ("configuration_normswap.py", "modeling_normswap.py"):
         shutil.copy(_CODE_DIR / code, staging / code)
     copy_tokenizer_files(source, staging)
-    if record.exists():
-        conversion = json.loads(record.read_text())
+    if conversion:
         conversion["heal"] = {key: report[key] for key in ("teacher", "data", "objective", "steps", "learning_rate", "seconds")}
         conversion["heal"].update(before=report["before"][-1], after=report["after"][-1])
         (staging / "conversion.json").write_text(json.dumps(conversion, indent=2) + "\n")
 
 
 def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .plots import plt
 
     steps = [entry["step"] for entry in report["history"]]
     figure, axis = plt.subplots(figsize=(6, 4))
