@@ -112,6 +112,17 @@ class ShardWriter:
         return [*names, SAFE_WEIGHTS_INDEX_NAME]
 
 
+def update_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Replaces the named tensors in the safetensors shards of `folder`, each in its shard's dtype."""
+    for file in weight_files(folder):
+        with safe_open(file, framework="pt") as opened:
+            if not set(opened.keys()) & set(tensors):
+                continue
+        state = {name: tensors[name].to(tensor.dtype) if name in tensors else tensor for name, tensor in read_tensors(file)}
+        save_file(state, file.with_suffix(".tmp"), metadata={"format": "pt"})
+        os.replace(file.with_suffix(".tmp"), file)
+
+
 def check_output(output: str | os.PathLike, overwrite: bool) -> Path:
     """OUTPUT as a resolved path, if it may be written: not the working folder or above it, not a non-empty folder
     unless `overwrite`."""

@@ -30,6 +30,10 @@ def _add_convert(commands) -> None:
     parser.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, help="default: the source's")
     parser.add_argument("--norm-type", choices=NORM_TYPES, help="default: the source's")
     parser.add_argument("--norm-mapping", choices=NORM_MAPPINGS, default="shift")
+    parser.add_argument(
+        "--calibrate", action=argparse.BooleanOptionalAction, default=True,
+        help="scale sublayer writes where norms that wrote the residual stream come to read it (post -> pre, sandwich)",
+    )
     parser.add_argument("--attention", choices=("bidirectional", "causal"), help="default: bidirectional (a NormSwap source: its own)")
     parser.add_argument("--head", choices=("auto", *HEAD_CLASSES), default="auto")
     parser.add_argument("--dtype", choices=DTYPES)
@@ -49,6 +53,7 @@ def _run_convert(args) -> None:
         position_embedding_type=args.position_embedding_type,
         norm_type=args.norm_type,
         norm_mapping=args.norm_mapping,
+        calibrate=args.calibrate,
         attention=args.attention,
         head=args.head,
         dtype=args.dtype,

@@ -14,7 +14,7 @@ import torch
 POOLINGS = ("first_token", "mean")
 COLLAPSE_MARGIN = 0.1  # a variant whose figure exceeds its source's by more than this is flagged
 PROBE_SIZE = 64
-_SAMPLE = Path(__file__).parent / "data" / "sst2" / "validation.jsonl"
+_SAMPLE = Path(__file__).parent / "data" / "sst2"
 
 
 def mean_pairwise_cosine(vectors: torch.Tensor) -> float:
@@ -51,14 +51,27 @@ def collapse_profile(model: torch.nn.Module, batches: list[dict]) -> dict[str, l
     return {name: [mean_pairwise_cosine(v) for v in torch.cat(pooled[name], dim=1)] for name in POOLINGS}
 
 
-def probe_batches(tokenizer, vocab_size: int, size: int = PROBE_SIZE, batch_size: int = 32) -> list[dict]:
-    """The fixed probe set: the first `size` sentences of the shipped SST-2 validation sample, or random tokens
+def probe_tokenizer(folder: Path):
+    """The checkpoint's tokenizer, if it has one that pads; else None (probes are then random tokens)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        return None
+    return tokenizer if tokenizer.pad_token is not None else None
+
+
+def probe_batches(
+    tokenizer, vocab_size: int, size: int = PROBE_SIZE, batch_size: int = 32, split: str = "validation"
+) -> list[dict]:
+    """The fixed probe set: the first `size` sentences of a split of the shipped SST-2 sample, or random tokens
     (always the same) when there is no tokenizer."""
     if tokenizer is None:
         generator = torch.Generator().manual_seed(0)
         input_ids = torch.randint(0, vocab_size, (size, 16), generator=generator)
         return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in input_ids.split(batch_size)]
-    lines = _SAMPLE.read_text().splitlines()[:size]
+    lines = (_SAMPLE / f"{split}.jsonl").read_text().splitlines()[:size]
     sentences = [json.loads(line)["sentence"] for line in lines]
     return [
         dict(tokenizer(sentences[start : start + batch_size], padding=True, truncation=True, max_length=128, return_tensors="pt"))
@@ -73,17 +86,10 @@ def exceeds(variant: dict[str, list[float]], source: dict[str, list[float]]) -> 
 
 def conversion_collapse(source: torch.nn.Module, folder: Path) -> dict:
     """The collapse figures of the unswapped model and of the checkpoint written in `folder`, on the probe set."""
-    from transformers import AutoTokenizer
-
     from .modeling_normswap import NormSwapModel
 
     variant = NormSwapModel.from_pretrained(folder, dtype=torch.float32)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
-    if tokenizer is not None and tokenizer.pad_token is None:
-        tokenizer = None
+    tokenizer = probe_tokenizer(folder)
     batches = probe_batches(tokenizer, variant.config.vocab_size)
     figures = {"source": collapse_profile(source, batches), "variant": collapse_profile(variant, batches)}
     probe = f"the first {PROBE_SIZE} sentences of the shipped SST-2 validation sample" if tokenizer else f"{PROBE_SIZE} random token sequences"

@@ -172,6 +172,7 @@ def _prepare_variant(model: str, variant: str, from_config: bool, task, experime
             norm_placement=placement,
             position_embedding_type=position,
             norm_mapping=experiment.norm_mapping,
+            calibrate=experiment.calibrate,
             attention="causal" if causal else None,  # None: bidirectional, or a NormSwap source's own
             head="causal-lm" if causal else "sequence-classification",
             overwrite=True,

@@ -9,8 +9,9 @@ from huggingface_hub import ModelCard, snapshot_download
 from transformers import AutoConfig, AutoTokenizer
 
 from . import __version__
-from .checkpoint import ShardWriter, check_output, output_folder, read_tensors, weight_files
-from .collapse import COLLAPSE_MARGIN, conversion_collapse
+from .calibration import calibrate_writes, calibrated_sublayers, written_modules
+from .checkpoint import ShardWriter, check_output, output_folder, read_tensors, update_tensors, weight_files
+from .collapse import COLLAPSE_MARGIN, conversion_collapse, probe_batches, probe_tokenizer
 from .configuration_normswap import NormSwapConfig
 from .exact_swaps import apply_exact_swap, keeps_last_hidden_state, plan_exact_swap
 from .families import NORMSWAP, family_of, normswap_config
@@ -35,6 +36,7 @@ TOKENIZER_FILES = (
     "spiece.model",
 )
 DTYPES = ("float32", "float16", "bfloat16")
+CALIBRATION_SIZE = 128
 _CODE_DIR = Path(__file__).parent
 
 
@@ -64,6 +66,7 @@ def convert_checkpoint(
     position_embedding_type: str | None = None,
     norm_type: str | None = None,
     norm_mapping: str = "shift",
+    calibrate: bool = True,
     attention: str | None = None,
     head: str = "auto",
     dtype: str | None = None,
@@ -75,7 +78,9 @@ def convert_checkpoint(
 ) -> dict:
     """Converts SOURCE (folder or Hub id) to a NormSwap checkpoint in OUTPUT and returns the conversion report.
 
-    `attention` defaults to bidirectional, or to the source's own for a NormSwap source.
+    `attention` defaults to bidirectional, or to the source's own for a NormSwap source. With `calibrate`, a swap that
+    turns norms writing the residual stream into norms reading it has its sublayers' writes scaled (see
+    `hf_normswap.calibration`).
     """
     if attention not in (None, "bidirectional", "causal"):
         raise ConversionError(f"attention={attention!r} is invalid: allowed are 'bidirectional', 'causal'")
@@ -145,6 +150,7 @@ def convert_checkpoint(
         },
         "norm_mapping": norm_mapping,
         "norm_sources": norm_sources,
+        "calibration": None,
         "tolerance": {"last_hidden_state": HIDDEN_TOLERANCE, "logits": LOGITS_TOLERANCE},
         "notes": [],
     }
@@ -160,6 +166,8 @@ def convert_checkpoint(
         for code in ("configuration_normswap.py", "modeling_normswap.py"):
             shutil.copy(_CODE_DIR / code, staging / code)
         report["target_config"] = target.to_dict()
+        if calibrate and not exact_swap:
+            report["calibration"] = _calibrate(staging, head, plain, norm_sources, log)
 
         if verify:
             plain_model = load_plain(plain, head, source_family, tensors)
@@ -268,6 +276,26 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
             f"{report['weights']['dtype']}; the source adds in float32, so outputs differ slightly outside float32"
         )
     return origins
+
+
+def _calibrate(staging: Path, head: str, plain: NormSwapConfig, norm_sources: dict, log) -> dict | None:
+    """Scales the written model's sublayer writes where the swap needs it; returns what was done, None if nothing."""
+    model = HEAD_CLASSES[head].from_pretrained(staging, dtype=torch.float32)
+    sublayers = calibrated_sublayers(model, norm_sources, norm_slots(plain))
+    if not sublayers:
+        return None
+    tokenizer = probe_tokenizer(staging)
+    batch = probe_batches(tokenizer, model.config.vocab_size, CALIBRATION_SIZE, CALIBRATION_SIZE, split="train")[0]
+    scales = calibrate_writes(model, sublayers, batch)
+    modules = written_modules(model, sublayers)
+    prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
+    changed = {
+        name: tensor for name, tensor in model.state_dict().items() if name.startswith(tuple(f"{prefix}{m}." for m in modules))
+    }
+    update_tensors(staging, changed)
+    data = f"the first {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample" if tokenizer else f"{CALIBRATION_SIZE} random token sequences"
+    log(f"calibrated the writes of {len(scales)} sublayers on {data} (scales {min(scales.values()):.3g} to {max(scales.values()):.3g})")
+    return {"data": data, "write_scales": scales, "modules": modules}
 
 
 def _lineage(folder: Path) -> list[dict]:

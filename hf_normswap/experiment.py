@@ -52,6 +52,7 @@ class Experiment:
     max_train_samples: int | None = None
     logging_steps: int = 10
     norm_mapping: str = "shift"
+    calibrate: bool = True  # convert with calibrated writes where a swap needs them (`hf_normswap.calibration`)
     allow_pickle: bool = False  # accept pytorch_model.bin (read with weights_only=True)
     report_to: list[str] = dataclasses.field(default_factory=lambda: ["none"])  # tensorboard, wandb, trackio, none
     packing: bool = False  # padding-free batches for the NormSwap variants; `native` ones keep padding
@@ -173,7 +174,7 @@ _KINDS.update({field: (int, float) for field in ("learning_rate", "epochs", "war
 _KINDS.update({field: (list,) for field in ("variants", "text_columns", "learning_rates", "warmup_ratios", "report_to")})
 _KINDS.update({field: (str,) for field in ("task", "task_type", "label_column", "output", "norm_mapping")})
 _KINDS.update({field: (str,) for field in ("model", "reference", "data_dir", "tokenizer")})
-_KINDS["allow_pickle"] = _KINDS["packing"] = (bool,)
+_KINDS["allow_pickle"] = _KINDS["packing"] = _KINDS["calibrate"] = (bool,)
 _KINDS["heal"] = (dict,)
 _FLOAT_FIELDS = ("learning_rate", "epochs", "warmup_ratio", "weight_decay", "dev_fraction")
 _GRID_FIELDS = ("learning_rates", "warmup_ratios")

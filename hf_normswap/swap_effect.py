@@ -3,8 +3,8 @@
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
+from .collapse import probe_tokenizer
 from .heads import HEAD_CLASSES
 
 
@@ -21,7 +21,7 @@ SENTENCES = [
 def swap_effect(before: torch.nn.Module, after_folder: Path, head: str, seed: int = 0) -> dict:
     """Compares the unswapped model with the written one on a few sentences (random tokens without a tokenizer)."""
     after = HEAD_CLASSES[head].from_pretrained(after_folder, dtype=torch.float32).eval()
-    tokenizer = _tokenizer(after_folder)
+    tokenizer = probe_tokenizer(after_folder)
     if tokenizer is None:
         generator = torch.Generator().manual_seed(seed)
         input_ids = torch.randint(0, after.config.vocab_size, (4, 16), generator=generator)
@@ -45,14 +45,6 @@ def swap_effect(before: torch.nn.Module, after_folder: Path, head: str, seed: in
         ]
         similarity = torch.nn.functional.cosine_similarity(*pooled, dim=-1).mean().item()
         return {"metric": "cosine_similarity", "before": 1.0, "after": similarity}
-
-
-def _tokenizer(folder: Path):
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError):
-        return None
-    return tokenizer if tokenizer.pad_token is not None else None
 
 
 def mask_every_sixth(batch: dict, tokenizer) -> torch.Tensor:

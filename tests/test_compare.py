@@ -59,6 +59,8 @@ def test_report_schema_reproduction_and_diagnostics(tmp_path, bert_source):
     saved = json.loads((output / "results.json").read_text())
     assert set(saved) == {"experiment", "task", "search", "summary", "paired", "runs"} and saved["search"] is None
     assert set(saved["summary"]) == {"native", "post", "pre"}
+    calibration = json.loads((output / "variants" / "pre" / "conversion.json").read_text())["calibration"]
+    assert len(calibration["write_scales"]) == 4  # converted as `convert` does: calibrated writes
     for summary in saved["summary"].values():
         accuracy = summary["metrics"]["accuracy"]
         assert accuracy["n"] == 2 and accuracy["std"] >= 0
@@ -216,6 +218,7 @@ def test_bad_values_in_experiment_files(tmp_path, capsys):
         ("warmup_ratios: 0.1\n", "warmup_ratios=0.1 is invalid: expected list"),
         ("learning_rate: 1e-5\nmax_length: 0\n", "max_length=0 is invalid"),  # YAML reads 1e-5 as text: accepted
         ("report_to: [none, tensorboard, mlflow]\n", "report_to="),
+        ("calibrate: maybe\n", "calibrate"),
     ):
         (tmp_path / "bad.yaml").write_text(text)
         capsys.readouterr()
@@ -465,3 +468,12 @@ def test_native_and_converted_encoder_families_train_alike(tmp_path, model_type)
     assert len(native_losses) == len(converted_losses) >= 2
     assert max(abs(a - b) for a, b in zip(native_losses, converted_losses)) <= 1e-4
     assert abs(runs["native"]["metrics"]["loss"] - runs[placement]["metrics"]["loss"]) <= 1e-4
+
+
+def test_calibrate_false_converts_without_calibration(tmp_path, bert_source):
+    for calibrate in (True, False):
+        output = tmp_path / f"out-{calibrate}"
+        settings = experiment(tmp_path, bert_source, calibrate=calibrate)
+        compare._prepare_variant(bert_source, "pre", False, None, settings, output)
+        record = json.loads((output / "variants" / "pre" / "conversion.json").read_text())
+        assert (record["calibration"] is not None) is calibrate

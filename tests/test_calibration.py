@@ -1,0 +1,104 @@
+"""Calibrated swaps: sublayer writes scaled where norms that wrote the residual stream come to read it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_normswap import NormSwapModel, convert_checkpoint
+from hf_normswap.calibration import _median_ratio
+from hf_normswap.cli import main as cli
+from hf_normswap.collapse import probe_batches, probe_tokenizer
+
+from sources import save_source
+from test_convert import tensors
+
+
+def quiet(*args, **kwargs):
+    return convert_checkpoint(*args, **kwargs, log=lambda _: None)
+
+
+def token_cosine(source, folder, batch) -> float:
+    """Mean cosine between the last hidden states of the source and of the checkpoint in `folder`, over real tokens."""
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = source(**batch).last_hidden_state[real]
+        got = NormSwapModel.from_pretrained(folder).eval()(**batch).last_hidden_state[real]
+    return F.cosine_similarity(expected, got, dim=-1).mean().item()
+
+
+@pytest.mark.parametrize("placement", ["pre", "sandwich"])
+def test_calibrated_post_to_pre_keeps_more_of_the_function(tmp_path, placement):
+    bert = save_source(tmp_path / "bert", "bert", "Model")
+    calibrated = quiet(str(tmp_path / "bert"), str(tmp_path / "calibrated"), norm_placement=placement)
+    plain = quiet(str(tmp_path / "bert"), str(tmp_path / "plain"), norm_placement=placement, calibrate=False)
+    assert plain["calibration"] is None
+    record = calibrated["calibration"]
+    assert "SST-2 training sample" in record["data"]
+    assert sorted(record["write_scales"]) == [f"layers.{i}.{s}" for i in range(2) for s in ("attention_norms", "mlp_norms")]
+
+    # Held-out text (the validation sample; calibration used training sentences).
+    batch = probe_batches(probe_tokenizer(tmp_path / "bert"), 0, size=32, batch_size=32)[0]
+    before, after = token_cosine(bert, tmp_path / "plain", batch), token_cosine(bert, tmp_path / "calibrated", batch)
+    assert after > before + 0.1, (before, after)
+    assert calibrated["swap_effect"]["after"] > plain["swap_effect"]["after"]
+
+    # Only the writes changed: a pre layer's output projections (scaled, the source norm's bias folded in), or a
+    # sandwich layer's branch norm (a uniform gain, the source norm's bias scaled).
+    ours, theirs = tensors(tmp_path / "calibrated"), tensors(tmp_path / "plain")
+    writes = ("self_attn.o_proj", "mlp.down_proj") if placement == "pre" else ("attention_norms.output_norm", "mlp_norms.output_norm")
+    expected = sorted(f"layers.{i}.{module}" for i in range(2) for module in writes)
+    assert sorted({name.rsplit(".", 1)[0] for name in ours if not torch.equal(ours[name], theirs[name])}) == expected
+    assert sorted(record["modules"]) == expected
+    scale = record["write_scales"]["layers.1.attention_norms"]
+    source_bias = theirs["layers.1.attention_norms.input_norm.bias"]
+    if placement == "pre":
+        assert torch.allclose(ours["layers.1.self_attn.o_proj.weight"], scale * theirs["layers.1.self_attn.o_proj.weight"], atol=1e-7)
+        assert torch.allclose(ours["layers.1.self_attn.o_proj.bias"], scale * (theirs["layers.1.self_attn.o_proj.bias"] + source_bias), atol=1e-7)
+    else:
+        gain = ours["layers.1.attention_norms.output_norm.weight"]
+        assert torch.all(gain == gain[0]) and gain[0] > 0
+        assert torch.allclose(ours["layers.1.attention_norms.output_norm.bias"], scale * source_bias, atol=1e-7)
+
+
+def test_the_scale_is_the_median_least_squares_ratio():
+    stream = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
+    assert _median_ratio(stream, stream / 2) == pytest.approx(2.0)
+    assert _median_ratio(torch.tensor([[1.0], [10.0], [2.0]]), torch.ones(3, 1)) == pytest.approx(2.0)  # not the mean
+
+
+def test_calibration_keeps_the_shards_dtype(tmp_path):
+    save_source(tmp_path / "bert", "bert", "ForSequenceClassification")
+    report = quiet(str(tmp_path / "bert"), str(tmp_path / "half"), norm_placement="pre", dtype="float16")
+    plain = quiet(str(tmp_path / "bert"), str(tmp_path / "plain"), norm_placement="pre", dtype="float16", calibrate=False)
+    ours, theirs = tensors(tmp_path / "half"), tensors(tmp_path / "plain")
+    assert {t.dtype for t in ours.values()} == {torch.float16}
+    scale = report["calibration"]["write_scales"]["layers.0.mlp_norms"]
+    expected = scale * theirs["model.layers.0.mlp.down_proj.weight"].float()
+    assert torch.allclose(ours["model.layers.0.mlp.down_proj.weight"].float(), expected, rtol=2e-3, atol=1e-6)
+    assert plain["calibration"] is None
+
+
+@pytest.mark.parametrize("swap", [dict(), dict(norm_placement="deepnorm"), dict(norm_placement="pre", norm_mapping="reset")])
+def test_no_calibration_where_no_write_norm_becomes_a_read(tmp_path, swap):
+    save_source(tmp_path / "bert", "bert", "Model")
+    assert quiet(str(tmp_path / "bert"), str(tmp_path / "out"), **swap)["calibration"] is None
+
+
+def test_llama_to_post_is_not_calibrated(tmp_path):
+    save_source(tmp_path / "llama", "llama", "ForCausalLM")
+    assert quiet(str(tmp_path / "llama"), str(tmp_path / "post"), norm_placement="post")["calibration"] is None
+
+
+def test_calibration_without_tokenizer_uses_random_tokens(tmp_path):
+    save_source(tmp_path / "bert", "bert", "Model", tokenizer=False)
+    report = quiet(str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre")
+    assert report["calibration"]["data"] == "128 random token sequences"
+    assert all(scale > 0 for scale in report["calibration"]["write_scales"].values())
+
+
+def test_no_calibrate_on_the_command_line(tmp_path, capsys):
+    save_source(tmp_path / "bert", "bert", "Model")
+    cli(["convert", str(tmp_path / "bert"), str(tmp_path / "on"), "--norm-placement", "pre"])
+    assert "calibrated the writes of 4 sublayers" in capsys.readouterr().out
+    cli(["convert", str(tmp_path / "bert"), str(tmp_path / "off"), "--norm-placement", "pre", "--no-calibrate"])
+    assert "calibrated" not in capsys.readouterr().out
