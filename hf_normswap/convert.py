@@ -167,7 +167,7 @@ def convert_checkpoint(
             shutil.copy(_CODE_DIR / code, staging / code)
         report["target_config"] = target.to_dict()
         if calibrate and not exact_swap:
-            report["calibration"] = _calibrate(staging, head, plain, norm_sources, log)
+            report["calibration"] = _calibrate(staging, head, plain, norm_sources, report, log)
 
         if verify:
             plain_model = load_plain(plain, head, source_family, tensors)
@@ -278,8 +278,9 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
     return origins
 
 
-def _calibrate(staging: Path, head: str, plain: NormSwapConfig, norm_sources: dict, log) -> dict | None:
-    """Scales the written model's sublayer writes where the swap needs it; returns what was done, None if nothing."""
+def _calibrate(staging: Path, head: str, plain: NormSwapConfig, norm_sources: dict, report: dict, log) -> dict | None:
+    """Scales the written model's sublayer writes where the swap needs it; returns what was done, None if nothing.
+    Norms initialised at identity and then calibrated are listed as such in the report's weights."""
     model = HEAD_CLASSES[head].from_pretrained(staging, dtype=torch.float32)
     sublayers = calibrated_sublayers(model, norm_sources, norm_slots(plain))
     if not sublayers:
@@ -293,6 +294,10 @@ def _calibrate(staging: Path, head: str, plain: NormSwapConfig, norm_sources: di
         name: tensor for name, tensor in model.state_dict().items() if name.startswith(tuple(f"{prefix}{m}." for m in modules))
     }
     update_tensors(staging, changed)
+    report["weights"]["initialized"] = [
+        entry.replace(" (identity)", " (calibrated)") if entry.split(" ")[0] in changed else entry
+        for entry in report["weights"]["initialized"]
+    ]
     data = f"the first {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample" if tokenizer else f"{CALIBRATION_SIZE} random token sequences"
     log(f"calibrated the writes of {len(scales)} sublayers on {data} (scales {min(scales.values()):.3g} to {max(scales.values()):.3g})")
     return {"data": data, "write_scales": scales, "modules": modules}

@@ -69,6 +69,13 @@ def _comparison(folder: Path, variant: str | None) -> tuple[dict | None, str | N
     return (results, name) if name in results["summary"] else (None, None)
 
 
+def _calibration_line(calibration: dict | None) -> str | None:
+    if not calibration:
+        return None
+    scales = calibration["write_scales"].values()
+    return f"scaled by {min(scales):.3g} to {max(scales):.3g}, fitted on {calibration['data']}"
+
+
 def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, datasets=None, variant=None) -> tuple[ModelCard, list[str]]:
     """The model card of the NormSwap checkpoint in `folder`, and the comparison plots it shows."""
     config = AutoConfig.from_pretrained(folder)
@@ -112,6 +119,7 @@ def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, dat
         source_position=(swap.get("position_embedding_type") or [config.position_embedding_type])[0],
         source_attention=(swap.get("attention") or ["", ""])[0],
         norm_mapping=conversion.get("norm_mapping", "n/a"),
+        calibration=_calibration_line(conversion.get("calibration")),
         measured=bool(measured),
         measured_hidden=f"{measured.get('last_hidden_state_max_abs_diff', 0):.2e}",
         measured_logits=f"{measured['logits_max_abs_diff']:.2e}" if measured.get("logits_max_abs_diff") is not None else None,

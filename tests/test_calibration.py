@@ -58,6 +58,7 @@ def test_calibrated_post_to_pre_keeps_more_of_the_function(tmp_path, placement):
         gain = ours["layers.1.attention_norms.output_norm.weight"]
         assert torch.all(gain == gain[0]) and gain[0] > 0
         assert torch.allclose(ours["layers.1.attention_norms.output_norm.bias"], scale * source_bias, atol=1e-7)
+        assert "layers.1.attention_norms.output_norm.weight (calibrated)" in calibrated["weights"]["initialized"]
 
 
 def test_the_scale_is_the_median_least_squares_ratio():

@@ -56,6 +56,8 @@ def test_dry_run_writes_the_upload_and_card(comparison, tmp_path):
     assert "trust_remote_code=True" in card.text and 'revision="<commit sha>"' in card.text
     assert "| pre |" in card.text and "![loss.png](loss.png)" in card.text
     assert "| norm placement | post | pre |" in card.text
+    scales = json.loads((variant / "conversion.json").read_text())["calibration"]["write_scales"].values()
+    assert f"| sublayer writes | | calibrated: scaled by {min(scales):.3g} to {max(scales):.3g}, fitted on" in card.text
     config = json.loads((tmp_path / "up" / "config.json").read_text())
     assert len(config["auto_map"]) == 7
 
@@ -69,6 +71,8 @@ def test_card_without_comparison(tmp_path):
     assert card.data.pipeline_tag == "fill-mask" and card.data.license == "mit"
     assert "model-index" not in card.data.to_dict() and "## Comparison" not in card.text
     assert "masked lm loss" in card.text
+    assert "model.layers.1.mlp_norms.output_norm.weight (calibrated)" in card.text  # sandwich branch norms
+    assert "model.layers.1.mlp_norms.input_norm" not in card.text  # taken from the source, not initialised
 
 
 def test_push_goes_through_the_hub_client(comparison, monkeypatch):
