@@ -14,36 +14,31 @@ scale per point cannot carry (tokens whose spread differs from the median, per-f
 import torch
 from torch import nn
 
-from .norm_mapping import NormSlot
+from .configuration_normswap import NormSwapConfig
+from .norm_mapping import NormSlot, norm_slots
 
 
-def calibrated_sublayers(model: nn.Module, norm_sources: dict[str, str | None], source_slots: list[NormSlot]) -> list[str]:
+def calibrated_sublayers(target: NormSwapConfig, norm_sources: dict[str, str | None], source_slots: list[NormSlot]) -> dict[str, str]:
     """The sublayers (e.g. "layers.2.mlp_norms") whose read norm took a norm that wrote the source's stream and whose
-    write reaches the stream unnormalised; none for a norm type that is not scale-invariant."""
-    if model.config.norm_type == "dyt":
-        return []
+    write reaches the stream unnormalised, each with the module its scale goes into (its output projection, or its
+    branch norm where it has one); none for a norm type that is not scale-invariant. Read off the configurations."""
+    if target.norm_type == "dyt":
+        return {}
     writes = {slot.name for slot in source_slots if slot.kind == "write"}
-    sublayers = []
-    for index, layer in enumerate(model.base_model.layers):
-        for name in ("attention_norms", "mlp_norms"):
-            norms = getattr(layer, name)
-            source = norm_sources.get(f"model.layers.{index}.{name}.input_norm")
-            branch_source = norm_sources.get(f"model.layers.{index}.{name}.output_norm")
-            if source in writes and isinstance(norms.residual_norm, nn.Identity) and branch_source is None:
-                sublayers.append(f"layers.{index}.{name}")
+    names = [slot.name for slot in norm_slots(target)]  # in forward order
+    slots = set(names)
+    sublayers = {}
+    for name in names:
+        prefix = name.removesuffix(".input_norm")
+        if prefix == name or norm_sources[name] not in writes or f"{prefix}.residual_norm" in slots:
+            continue
+        sublayer = prefix.removeprefix("model.")
+        layer = sublayer.rsplit(".", 1)[0]
+        if f"{prefix}.output_norm" not in slots:
+            sublayers[sublayer] = f"{layer}.self_attn.o_proj" if sublayer.endswith("attention_norms") else f"{layer}.mlp.down_proj"
+        elif norm_sources[f"{prefix}.output_norm"] is None:
+            sublayers[sublayer] = f"{sublayer}.output_norm"
     return sublayers
-
-
-def _output_projection(sublayer: str) -> str:
-    layer, attribute = sublayer.rsplit(".", 1)
-    return f"{layer}.self_attn.o_proj" if attribute == "attention_norms" else f"{layer}.mlp.down_proj"
-
-
-def written_modules(model: nn.Module, sublayers: list[str]) -> list[str]:
-    """The modules (paths in the base model) whose tensors calibration changes: each sublayer's output projection, or
-    its branch norm where it has one."""
-    has_branch_norm = {name: not isinstance(model.base_model.get_submodule(name).output_norm, nn.Identity) for name in sublayers}
-    return [f"{name}.output_norm" if has_branch_norm[name] else _output_projection(name) for name in sublayers]
 
 
 def _centred(states: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -61,22 +56,22 @@ def _bias(norm: nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def calibrate_writes(model: nn.Module, sublayers: list[str], batch: dict) -> dict[str, float]:
-    """Scales the writes of `sublayers` in place, fitted on one padded `batch` in a single forward pass; returns each
-    sublayer's scale."""
+def calibrate_writes(model: nn.Module, sublayers: dict[str, str], batch: dict) -> dict[str, float]:
+    """Scales the writes of `sublayers` (from `calibrated_sublayers`) in place, fitted on one padded `batch` in a single
+    forward pass; returns each sublayer's scale."""
     real = batch["attention_mask"].bool()
     base = model.base_model
     scales, hooks, branch_norm_scales = {}, [], {}
 
     def scale_write(name: str):
-        norms, writer = base.get_submodule(name), base.get_submodule(_output_projection(name))
+        writer = base.get_submodule(sublayers[name])
 
         def hook(norm, args):
             stream, bias = args[0][real].float(), _bias(norm)
             normalised = norm.forward(stream) - (0 if bias is None else bias)
             scale = scales[name] = _median_ratio(_centred(stream, norm), _centred(normalised, norm))
-            if not isinstance(norms.output_norm, nn.Identity):  # set when the branch norm runs
-                branch_norm_scales[norms.output_norm] = (scale, bias)
+            if not isinstance(writer, nn.Linear):  # a branch norm: set when it runs
+                branch_norm_scales[writer] = (scale, bias)
                 return
             writer.weight.mul_(scale)
             if writer.bias is not None:
@@ -91,11 +86,10 @@ def calibrate_writes(model: nn.Module, sublayers: list[str], batch: dict) -> dic
         if _bias(norm) is not None:  # then the read norm, of the same configuration, has one too
             norm.bias.copy_(scale * source_bias)
 
-    for name in sublayers:
-        norms = base.get_submodule(name)
-        hooks.append(norms.input_norm.register_forward_pre_hook(scale_write(name)))
-        if not isinstance(norms.output_norm, nn.Identity):
-            hooks.append(norms.output_norm.register_forward_pre_hook(scale_branch_norm))
+    for name, written in sublayers.items():
+        hooks.append(base.get_submodule(name).input_norm.register_forward_pre_hook(scale_write(name)))
+        if written.endswith("output_norm"):
+            hooks.append(base.get_submodule(written).register_forward_pre_hook(scale_branch_norm))
     was_training = model.training
     model.eval()
     try:

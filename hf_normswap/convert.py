@@ -9,7 +9,7 @@ from huggingface_hub import ModelCard, snapshot_download
 from transformers import AutoConfig, AutoTokenizer
 
 from . import __version__
-from .calibration import calibrate_writes, calibrated_sublayers, written_modules
+from .calibration import calibrate_writes, calibrated_sublayers
 from .checkpoint import ShardWriter, check_output, output_folder, read_tensors, update_tensors, weight_files
 from .collapse import COLLAPSE_MARGIN, conversion_collapse, probe_batches, probe_tokenizer
 from .configuration_normswap import NormSwapConfig
@@ -167,7 +167,7 @@ def convert_checkpoint(
             shutil.copy(_CODE_DIR / code, staging / code)
         report["target_config"] = target.to_dict()
         if calibrate and not exact_swap:
-            report["calibration"] = _calibrate(staging, head, plain, norm_sources, report, log)
+            report["calibration"] = _calibrate(staging, head, plain, target, norm_sources, report, log)
 
         if verify:
             plain_model = load_plain(plain, head, source_family, tensors)
@@ -278,21 +278,19 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
     return origins
 
 
-def _calibrate(staging: Path, head: str, plain: NormSwapConfig, norm_sources: dict, report: dict, log) -> dict | None:
-    """Scales the written model's sublayer writes where the swap needs it; returns what was done, None if nothing.
-    Norms initialised at identity and then calibrated are listed as such in the report's weights."""
-    model = HEAD_CLASSES[head].from_pretrained(staging, dtype=torch.float32)
-    sublayers = calibrated_sublayers(model, norm_sources, norm_slots(plain))
+def _calibrate(staging: Path, head: str, plain: NormSwapConfig, target: NormSwapConfig, norm_sources: dict, report: dict, log) -> dict | None:
+    """Scales the written model's sublayer writes where the swap needs it (the model is loaded only then); returns
+    what was done, None if nothing. Norms initialised at identity and then calibrated are listed as such."""
+    sublayers = calibrated_sublayers(target, norm_sources, norm_slots(plain))
     if not sublayers:
         return None
+    model = HEAD_CLASSES[head].from_pretrained(staging, dtype=torch.float32)
     tokenizer = probe_tokenizer(staging)
     batch = probe_batches(tokenizer, model.config.vocab_size, CALIBRATION_SIZE, CALIBRATION_SIZE, split="train")[0]
     scales = calibrate_writes(model, sublayers, batch)
-    modules = written_modules(model, sublayers)
     prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
-    changed = {
-        name: tensor for name, tensor in model.state_dict().items() if name.startswith(tuple(f"{prefix}{m}." for m in modules))
-    }
+    written = tuple(f"{prefix}{module}." for module in sublayers.values())
+    changed = {name: tensor for name, tensor in model.state_dict().items() if name.startswith(written)}
     update_tensors(staging, changed)
     report["weights"]["initialized"] = [
         entry.replace(" (identity)", " (calibrated)") if entry.split(" ")[0] in changed else entry
@@ -300,7 +298,7 @@ def _calibrate(staging: Path, head: str, plain: NormSwapConfig, norm_sources: di
     ]
     data = f"the first {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample" if tokenizer else f"{CALIBRATION_SIZE} random token sequences"
     log(f"calibrated the writes of {len(scales)} sublayers on {data} (scales {min(scales.values()):.3g} to {max(scales.values()):.3g})")
-    return {"data": data, "write_scales": scales, "modules": modules}
+    return {"data": data, "write_scales": scales, "modules": list(sublayers.values())}
 
 
 def _lineage(folder: Path) -> list[dict]:

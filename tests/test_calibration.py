@@ -103,3 +103,16 @@ def test_no_calibrate_on_the_command_line(tmp_path, capsys):
     assert "calibrated the writes of 4 sublayers" in capsys.readouterr().out
     cli(["convert", str(tmp_path / "bert"), str(tmp_path / "off"), "--norm-placement", "pre", "--no-calibrate"])
     assert "calibrated" not in capsys.readouterr().out
+
+
+def test_a_conversion_without_calibration_does_not_load_the_written_model(tmp_path, monkeypatch):
+    """With --no-verify, converting keeps about one shard in memory: calibration, needed by no swap here, loads nothing."""
+    save_source(tmp_path / "bert", "bert", "Model")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the written model was loaded")
+
+    monkeypatch.setattr(NormSwapModel, "from_pretrained", refuse)
+    for swap in (dict(), dict(norm_placement="pre", norm_mapping="reset")):
+        report = quiet(str(tmp_path / "bert"), str(tmp_path / f"out-{len(swap)}"), verify=False, **swap)
+        assert report["calibration"] is None
