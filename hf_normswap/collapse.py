@@ -37,18 +37,24 @@ def boundary_states(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, 
     return model.base_model(**inputs, output_hidden_states=True).hidden_states
 
 
+def collapse_of_states(states: list[tuple[torch.Tensor, ...]], masks: list[torch.Tensor]) -> dict[str, list[float]]:
+    """The collapse figure of each pooling at each layer boundary, from every batch's boundary states and mask."""
+    pooled = {name: [] for name in POOLINGS}
+    for batch_states, mask in zip(states, masks):
+        per_boundary = [pool(boundary.float(), mask) for boundary in batch_states]
+        for name in POOLINGS:
+            pooled[name].append(torch.stack([vectors[name] for vectors in per_boundary]))
+    return {name: [mean_pairwise_cosine(v) for v in torch.cat(pooled[name], dim=1)] for name in POOLINGS}
+
+
 @torch.no_grad()
 def collapse_profile(model: torch.nn.Module, batches: list[dict]) -> dict[str, list[float]]:
     """The collapse figure of each pooling at each layer boundary, over all sequences of `batches`."""
     was_training = model.training
     model.eval()
-    pooled = {name: [] for name in POOLINGS}
-    for batch in batches:
-        per_boundary = [pool(states.float(), batch["attention_mask"]) for states in boundary_states(model, batch)]
-        for name in POOLINGS:
-            pooled[name].append(torch.stack([vectors[name] for vectors in per_boundary]))
+    states = [boundary_states(model, batch) for batch in batches]
     model.train(was_training)
-    return {name: [mean_pairwise_cosine(v) for v in torch.cat(pooled[name], dim=1)] for name in POOLINGS}
+    return collapse_of_states(states, [batch["attention_mask"] for batch in batches])
 
 
 def probe_tokenizer(folder: Path):

@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from .checkpoint import check_output, output_folder
-from .collapse import POOLINGS, boundary_states, mean_pairwise_cosine, pool
+from .collapse import POOLINGS, boundary_states, collapse_of_states, pool
 from .convert import copy_tokenizer_files
 from .heads import HEAD_CLASSES, head_of_config
 from .packing import pack_padded, unpack
@@ -132,37 +132,28 @@ class HealTrainer(Trainer):
 
 
 @torch.no_grad()
-def measure(student: torch.nn.Module, teacher: torch.nn.Module, batches: list[dict]) -> dict:
-    """Per boundary, on the held-out batches: the student's mean token cosine to the teacher (states as they are),
-    the mean squared error of the comparable states, and both models' collapse figures."""
+def measure(student: torch.nn.Module, batches: list[dict], teacher_states: list[tuple]) -> list[dict]:
+    """Per boundary, on the held-out batches: the student's mean token cosine to the teacher's states (as they are),
+    the mean squared error of the comparable states, and the student's collapse figures."""
     was_training = student.training
     student.eval()
-    cosines, errors, pooled = [], [], {"student": {p: [] for p in POOLINGS}, "teacher": {p: [] for p in POOLINGS}}
-    for batch in batches:
+    cosines, errors, states = [], [], []
+    for batch, teacher in zip(batches, teacher_states):
         batch = {k: v.to(student.device) for k, v in batch.items()}
-        real, mask = batch["attention_mask"].bool(), batch["attention_mask"]
-        student_states, teacher_states = boundary_states(student, batch), boundary_states(teacher, batch)
-        cosines.append(torch.stack([F.cosine_similarity(s[real].float(), t[real].float(), dim=-1).sum() for s, t in zip(student_states, teacher_states)]))
-        pairs = _comparable(student_states, teacher_states)
-        errors.append(torch.stack([(s[real] - t[real]).pow(2).mean(-1).sum() for s, t in pairs]))
-        for name, states in (("student", student_states), ("teacher", teacher_states)):
-            per_boundary = [pool(s.float(), mask) for s in states]
-            for p in POOLINGS:
-                pooled[name][p].append(torch.stack([vectors[p] for vectors in per_boundary]))
+        real = batch["attention_mask"].bool()
+        student_states = boundary_states(student, batch)
+        teacher = [t.to(student.device) for t in teacher]
+        cosines.append(torch.stack([F.cosine_similarity(s[real].float(), t[real].float(), dim=-1).sum() for s, t in zip(student_states, teacher)]))
+        errors.append(torch.stack([(s[real] - t[real]).pow(2).mean(-1).sum() for s, t in _comparable(student_states, teacher)]))
+        states.append(student_states)
     student.train(was_training)
     tokens = sum(batch["attention_mask"].sum().item() for batch in batches)
-    collapse = {
-        name: {p: [mean_pairwise_cosine(v) for v in torch.cat(pooled[name][p], dim=1)] for p in POOLINGS}
-        for name in pooled
-    }
+    collapse = collapse_of_states(states, [batch["attention_mask"].to(student.device) for batch in batches])
     cosine, error = (torch.stack(cosines).sum(0) / tokens).tolist(), (torch.stack(errors).sum(0) / tokens).tolist()
-    return {
-        "layers": [
-            {"token_cosine": c, "mse": e, **{f"collapse_{p}": collapse["student"][p][i] for p in POOLINGS}}
-            for i, (c, e) in enumerate(zip(cosine, error))
-        ],
-        "teacher_collapse": collapse["teacher"],
-    }
+    return [
+        {"token_cosine": c, "mse": e, **{f"collapse_{p}": collapse[p][i] for p in POOLINGS}}
+        for i, (c, e) in enumerate(zip(cosine, error))
+    ]
 
 
 @torch.no_grad()
@@ -180,15 +171,14 @@ def masked_lm_loss(model: torch.nn.Module, batches: list[dict], tokenizer) -> fl
 
 
 class HealProbeCallback(TrainerCallback):
-    """Measures the student on the held-out batches every `every` steps (and at the end) for the plot."""
+    """Measures the student on the held-out batches every `every` steps before the last, for the plot."""
 
-    def __init__(self, teacher: torch.nn.Module, batches: list[dict], every: int):
-        self.teacher, self.batches, self.every, self.history = teacher, batches, every, []
+    def __init__(self, batches: list[dict], teacher_states: list[tuple], every: int):
+        self.batches, self.teacher_states, self.every, self.history = batches, teacher_states, every, []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
-            figures = measure(model, self.teacher, self.batches)
-            last = figures["layers"][-1]
+        if state.global_step % self.every == 0 and state.global_step < state.max_steps:
+            last = measure(model, self.batches, self.teacher_states)[-1]
             self.history.append({"step": state.global_step, **last})
 
 
@@ -315,11 +305,13 @@ def heal_checkpoint(
     batches = [dict(batch) for batch in batches]
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if mlm else pad
 
-    before = measure(student, teacher_model, batches)
-    if teacher_mlm:
-        before["masked_lm_loss"] = masked_lm_loss(student, batches, tokenizer)
-    probe = HealProbeCallback(teacher_model, batches, every=max(1, max_steps // 5))
-    probe.history.append({"step": 0, **before["layers"][-1]})
+    with torch.no_grad():  # the teacher's side of every measurement, computed once
+        teacher_states = [boundary_states(teacher_model, batch) for batch in batches]
+    teacher_collapse = collapse_of_states(teacher_states, [batch["attention_mask"] for batch in batches])
+    before = measure(student, batches, teacher_states)
+    masked_lm_before = masked_lm_loss(student, batches, tokenizer) if teacher_mlm else None
+    probe = HealProbeCallback(batches, teacher_states, every=max(1, max_steps // 5))
+    probe.history.append({"step": 0, **before[-1]})
     with output_folder(output, overwrite) as staging:
         work = Path(checkpoint_dir) if checkpoint_dir else staging / "trainer"
         args = TrainingArguments(
@@ -348,7 +340,8 @@ def heal_checkpoint(
         started = time.perf_counter()
         trainer.train(resume_from_checkpoint=True if resume else None)
         seconds = time.perf_counter() - started
-        after = measure(student, teacher_model, batches)
+        after = measure(student, batches, teacher_states)
+        probe.history.append({"step": max_steps, **after[-1]})
         report = {
             "teacher": teacher_id,
             "data": {"name": data, "text_columns": columns, "train_rows": len(train), "held_out_rows": len(held_out)},
@@ -360,14 +353,14 @@ def heal_checkpoint(
             "packing": packing,
             "seconds": seconds,
             "resumed": resume,
-            "teacher_collapse": before["teacher_collapse"],
+            "teacher_collapse": teacher_collapse,
             "masked_lm_loss": None if not teacher_mlm else {
                 "teacher": masked_lm_loss(teacher_model, batches, tokenizer),
-                "before": before["masked_lm_loss"],
+                "before": masked_lm_before,
                 "after": masked_lm_loss(student, batches, tokenizer),
             },
-            "before": before["layers"],
-            "after": after["layers"],
+            "before": before,
+            "after": after,
             "history": probe.history,
             "log_history": trainer.state.log_history,
         }
