@@ -7,12 +7,17 @@ scale-invariant: if the stream at a point holds c times the sum the source norma
 returns the source's normalised state, and the sublayer's write, scaled by c and carrying the source norm's bias,
 keeps that true at the next point. c is fitted point after point on calibration text: the median over tokens of the
 least-squares ratio between the stream and what its norm makes of it (less the norm's bias). A sandwich branch norm
-(identity at conversion) takes the scale as its gain, times the median spread of the sublayer's output. What one
-scale per point cannot carry (tokens whose spread differs from the median, per-feature gains) is left to `heal`.
+(identity at conversion) takes the scale as its gain, times the median spread of the sublayer's output.
+
+One scale per point cannot carry the source norms' per-feature gains, which post-LN applies to the whole stream at
+every point. So a write that is a linear layer is then refitted: by ridge regression (towards the scaled write) on
+the same text, so that the stream after it lies, token by token, along the sum the source normalised at the point the
+next reading norm comes from. What the refit cannot carry is left to `heal`.
 """
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .configuration_normswap import NormSwapConfig
 from .norm_mapping import NormSlot, norm_slots
@@ -41,6 +46,41 @@ def calibrated_sublayers(target: NormSwapConfig, norm_sources: dict[str, str | N
     return sublayers
 
 
+RIDGE = 1.0  # times the mean diagonal of the write inputs' Gram matrix; chosen on held-out training text (README)
+
+
+def fitted_sources(target: NormSwapConfig, norm_sources: dict[str, str | None], source_slots: list[NormSlot], sublayers: dict[str, str]) -> dict[str, str]:
+    """For each sublayer of `sublayers` whose write is a linear layer: the source norm (a norm that wrote the source's
+    stream) that the next norm reading the stream took; its input is what the refitted write aims at."""
+    writes = {slot.name for slot in source_slots if slot.kind == "write"}
+    slots = [slot for slot in norm_slots(target) if slot.kind != "branch"]
+    sources = {}
+    for slot, following in zip(slots, slots[1:]):
+        sublayer = slot.name.removeprefix("model.").removesuffix(".input_norm")
+        if sublayers.get(sublayer, "").endswith("_proj") and following.kind == "read" and norm_sources[following.name] in writes:
+            sources[sublayer] = norm_sources[following.name]
+    return sources
+
+
+@torch.no_grad()
+def source_sums(source: nn.Module, norms: dict[str, str], batch: dict) -> dict[str, torch.Tensor]:
+    """The input of each of the source's `norms` (sublayer -> norm name) over the batch's real tokens, in float32."""
+    real = batch["attention_mask"].bool()
+    base, sums = source.base_model, {}
+    hooks = [
+        base.get_submodule(norm.removeprefix("model.")).register_forward_pre_hook(
+            lambda module, args, sublayer=sublayer: sums.__setitem__(sublayer, args[0][real].float())
+        )
+        for sublayer, norm in norms.items()
+    ]
+    try:
+        base(**batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sums
+
+
 def _centred(states: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """States less their mean over features where `norm` removes it (LayerNorm)."""
     return states - states.mean(-1, keepdim=True) if isinstance(norm, nn.LayerNorm) else states
@@ -55,13 +95,41 @@ def _bias(norm: nn.Module) -> torch.Tensor | None:
     return getattr(norm, "bias", None)
 
 
+def _refit(writer: nn.Linear, inputs: torch.Tensor, stream: torch.Tensor, target: torch.Tensor, norm: nn.Module) -> tuple[float, float]:
+    """Refits `writer` in place so that stream + writer(inputs), as `norm` sees it, lies along `target` token by token
+    (each token keeping the length the current write gives it); rows are real tokens. Returns the relative error
+    before and after."""
+    inputs, stream, target = inputs.double(), _centred(stream.double(), norm), _centred(target.double(), norm)
+    if writer.bias is not None:
+        inputs = torch.cat([inputs, inputs.new_ones(len(inputs), 1)], dim=1)
+    current = writer.weight.double().T if writer.bias is None else torch.cat([writer.weight.double().T, writer.bias.double()[None]])
+    reached = _centred(stream + inputs @ current, norm)
+    wanted = target * (reached * target).sum(-1, keepdim=True) / target.pow(2).sum(-1, keepdim=True).clamp_min(1e-12) - stream
+    gram = inputs.T @ inputs
+    ridge = RIDGE * gram.diagonal().mean()
+    prior = _centred(current, norm)  # the part of the write that the norm sees
+    fitted = torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype), inputs.T @ wanted + ridge * prior)
+    fitted = fitted + current - prior
+
+    def error(weights: torch.Tensor) -> float:
+        return ((_centred(inputs @ weights, norm) - wanted).pow(2).sum() / wanted.pow(2).sum().clamp_min(1e-12)).item()
+
+    writer.weight.copy_(fitted[: writer.in_features].T)
+    if writer.bias is not None:
+        writer.bias.copy_(fitted[-1])
+    return error(current), error(fitted)
+
+
 @torch.no_grad()
-def calibrate_writes(model: nn.Module, sublayers: dict[str, str], batch: dict) -> dict[str, float]:
+def calibrate_writes(
+    model: nn.Module, sublayers: dict[str, str], batch: dict, targets: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Scales the writes of `sublayers` (from `calibrated_sublayers`) in place, fitted on one padded `batch` in a single
-    forward pass; returns each sublayer's scale."""
+    forward pass, and refits the linear writes that have `targets` (from `source_sums`). Returns each sublayer's scale
+    and each refitted write's relative error before and after."""
     real = batch["attention_mask"].bool()
-    base = model.base_model
-    scales, hooks, branch_norm_scales = {}, [], {}
+    base, targets = model.base_model, targets or {}
+    scales, hooks, branch_norm_scales, streams, errors = {}, [], {}, {}, {}
 
     def scale_write(name: str):
         writer = base.get_submodule(sublayers[name])
@@ -70,6 +138,8 @@ def calibrate_writes(model: nn.Module, sublayers: dict[str, str], batch: dict) -
             stream, bias = args[0][real].float(), _bias(norm)
             normalised = norm.forward(stream) - (0 if bias is None else bias)
             scale = scales[name] = _median_ratio(_centred(stream, norm), _centred(normalised, norm))
+            if name in targets:
+                streams[name] = (stream, norm)
             if not isinstance(writer, nn.Linear):  # a branch norm: set when it runs
                 branch_norm_scales[writer] = (scale, bias)
                 return
@@ -86,10 +156,20 @@ def calibrate_writes(model: nn.Module, sublayers: dict[str, str], batch: dict) -
         if _bias(norm) is not None:  # then the read norm, of the same configuration, has one too
             norm.bias.copy_(scale * source_bias)
 
+    def refit_write(name: str):
+        def hook(writer, args, output):
+            stream, norm = streams.pop(name)
+            errors[name] = list(_refit(writer, args[0][real], stream, targets[name], norm))
+            return F.linear(args[0], writer.weight, writer.bias)
+
+        return hook
+
     for name, written in sublayers.items():
         hooks.append(base.get_submodule(name).input_norm.register_forward_pre_hook(scale_write(name)))
         if written.endswith("output_norm"):
             hooks.append(base.get_submodule(written).register_forward_pre_hook(scale_branch_norm))
+        elif name in targets:
+            hooks.append(base.get_submodule(written).register_forward_hook(refit_write(name)))
     was_training = model.training
     model.eval()
     try:
@@ -98,4 +178,4 @@ def calibrate_writes(model: nn.Module, sublayers: dict[str, str], batch: dict) -
         model.train(was_training)
         for hook in hooks:
             hook.remove()
-    return scales
+    return scales, errors

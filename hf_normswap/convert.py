@@ -9,7 +9,7 @@ from huggingface_hub import ModelCard, snapshot_download
 from transformers import AutoConfig, AutoTokenizer
 
 from . import __version__
-from .calibration import calibrate_writes, calibrated_sublayers
+from .calibration import RIDGE, calibrate_writes, calibrated_sublayers, fitted_sources, source_sums
 from .checkpoint import ShardWriter, check_output, output_folder, read_tensors, update_tensors, weight_files
 from .collapse import COLLAPSE_MARGIN, conversion_collapse, probe_batches, probe_tokenizer
 from .configuration_normswap import NormSwapConfig
@@ -36,7 +36,7 @@ TOKENIZER_FILES = (
     "spiece.model",
 )
 DTYPES = ("float32", "float16", "bfloat16")
-CALIBRATION_SIZE = 128
+CALIBRATION_SIZE = 704  # the shipped SST-2 training sample, all of it
 _CODE_DIR = Path(__file__).parent
 
 
@@ -166,11 +166,12 @@ def convert_checkpoint(
         for code in ("configuration_normswap.py", "modeling_normswap.py"):
             shutil.copy(_CODE_DIR / code, staging / code)
         report["target_config"] = target.to_dict()
-        if calibrate and not exact_swap:
-            report["calibration"] = _calibrate(staging, head, plain, target, norm_sources, report, log)
+        sublayers = calibrated_sublayers(target, norm_sources, norm_slots(plain)) if calibrate and not exact_swap else {}
+        plain_model = load_plain(plain, head, source_family, tensors) if verify or sublayers else None
+        if sublayers:
+            report["calibration"] = _calibrate(staging, head, plain_model, target, norm_sources, sublayers, report, log)
 
         if verify:
-            plain_model = load_plain(plain, head, source_family, tensors)
             report["measured"] = _verify(folder, plain_model, staging, head, exact_swap, report, log)
             report["swap_effect"] = swap_effect(plain_model, staging, head)
             log(_swap_line(report["swap_effect"]))
@@ -278,16 +279,14 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
     return origins
 
 
-def _calibrate(staging: Path, head: str, plain: NormSwapConfig, target: NormSwapConfig, norm_sources: dict, report: dict, log) -> dict | None:
-    """Scales the written model's sublayer writes where the swap needs it (the model is loaded only then); returns
-    what was done, None if nothing. Norms initialised at identity and then calibrated are listed as such."""
-    sublayers = calibrated_sublayers(target, norm_sources, norm_slots(plain))
-    if not sublayers:
-        return None
+def _calibrate(staging: Path, head: str, plain_model, target: NormSwapConfig, norm_sources: dict, sublayers: dict, report: dict, log) -> dict:
+    """Scales the written model's sublayer writes, and refits its linear writes against the unswapped source
+    (`plain_model`); returns what was done. Norms initialised at identity and then calibrated are listed as such."""
     model = HEAD_CLASSES[head].from_pretrained(staging, dtype=torch.float32)
     tokenizer = probe_tokenizer(staging)
     batch = probe_batches(tokenizer, model.config.vocab_size, CALIBRATION_SIZE, CALIBRATION_SIZE, split="train")[0]
-    scales = calibrate_writes(model, sublayers, batch)
+    sources = fitted_sources(target, norm_sources, norm_slots(plain_model.config), sublayers)
+    scales, errors = calibrate_writes(model, sublayers, batch, source_sums(plain_model, sources, batch))
     prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
     written = tuple(f"{prefix}{module}." for module in sublayers.values())
     changed = {name: tensor for name, tensor in model.state_dict().items() if name.startswith(written)}
@@ -296,9 +295,10 @@ def _calibrate(staging: Path, head: str, plain: NormSwapConfig, target: NormSwap
         entry.replace(" (identity)", " (calibrated)") if entry.split(" ")[0] in changed else entry
         for entry in report["weights"]["initialized"]
     ]
-    data = f"the first {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample" if tokenizer else f"{CALIBRATION_SIZE} random token sequences"
-    log(f"calibrated the writes of {len(scales)} sublayers on {data} (scales {min(scales.values()):.3g} to {max(scales.values()):.3g})")
-    return {"data": data, "write_scales": scales, "modules": list(sublayers.values())}
+    data = f"the {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample" if tokenizer else f"{CALIBRATION_SIZE} random token sequences"
+    log(f"calibrated the writes of {len(scales)} sublayers on {data} (scales {min(scales.values()):.3g} to {max(scales.values()):.3g})"
+        + (f", refitted {len(errors)} of them" if errors else ""))
+    return {"data": data, "write_scales": scales, "refit_errors": errors, "ridge": RIDGE if errors else None, "modules": list(sublayers.values())}
 
 
 def _lineage(folder: Path) -> list[dict]:

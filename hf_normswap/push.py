@@ -72,8 +72,9 @@ def _comparison(folder: Path, variant: str | None) -> tuple[dict | None, str | N
 def _calibration_line(calibration: dict | None) -> str | None:
     if not calibration:
         return None
-    scales = calibration["write_scales"].values()
-    return f"scaled by {min(scales):.3g} to {max(scales):.3g}, fitted on {calibration['data']}"
+    scales, refitted = calibration["write_scales"].values(), calibration.get("refit_errors") or {}
+    refit = f", {len(refitted)} refitted against the source (ridge {calibration['ridge']:g})" if refitted else ""
+    return f"scaled by {min(scales):.3g} to {max(scales):.3g}{refit}, fitted on {calibration['data']}"
 
 
 def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, datasets=None, variant=None) -> tuple[ModelCard, list[str]]:

@@ -57,7 +57,7 @@ def test_dry_run_writes_the_upload_and_card(comparison, tmp_path):
     assert "| pre |" in card.text and "![loss.png](loss.png)" in card.text
     assert "| norm placement | post | pre |" in card.text
     scales = json.loads((variant / "conversion.json").read_text())["calibration"]["write_scales"].values()
-    assert f"| sublayer writes | | calibrated: scaled by {min(scales):.3g} to {max(scales):.3g}, fitted on" in card.text
+    assert f"| sublayer writes | | calibrated: scaled by {min(scales):.3g} to {max(scales):.3g}, 4 refitted against the source (ridge 1), fitted on" in card.text
     config = json.loads((tmp_path / "up" / "config.json").read_text())
     assert len(config["auto_map"]) == 7
 
