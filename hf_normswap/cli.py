@@ -134,6 +134,8 @@ def _add_heal(commands) -> None:
     parser.add_argument("--checkpoint-dir", help="keep resumable Trainer checkpoints here; a rerun continues from the last")
     parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=DEFAULTS["packing"],
                         help="train the student on padding-free batches (default: on; the teacher keeps padding)")
+    parser.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=DEFAULTS["dropout"],
+                        help="train the student with its configured dropout (default: off; the saved config keeps it)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
 
 

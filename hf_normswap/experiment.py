@@ -19,7 +19,7 @@ TASK_TYPES = ("sequence-classification", "causal-lm")
 TRACKERS = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "trackio": is_trackio_available}
 VARIANT_SETTINGS = ("learning_rate", "warmup_ratio")  # what `VARIANT@field=value` may pin
 HEAL_SUFFIX = "+heal"  # `pre+heal`: the converted variant is healed before fine-tuning
-HEAL_SETTINGS = ("data", "text_column", "data_dir", "objective", "max_steps", "learning_rate", "batch_size", "max_length", "eval_size", "packing")
+HEAL_SETTINGS = ("data", "text_column", "data_dir", "objective", "max_steps", "learning_rate", "batch_size", "max_length", "eval_size", "packing", "dropout")
 _PATH_FIELDS = ("model", "tokenizer", "task", "data_dir")  # relative to the experiment file when found there
 
 

@@ -61,6 +61,10 @@ def test_healing_reduces_distance(variant, objective):
     carried = json.loads((output / "conversion.json").read_text())
     assert carried.pop("heal")["after"] == saved["after"][-1]
     assert carried == json.loads((variant / "pre" / "conversion.json").read_text())
+    # Trained without dropout (the default), saved with the variant's.
+    assert saved["dropout"] is False
+    configs = [json.loads((folder / "config.json").read_text()) for folder in (output, variant / "pre")]
+    assert [config["hidden_dropout"] for config in configs] == [0.1, 0.1]
 
     # The healed folder is a checkpoint like convert's (code and auto_map: test_remote_code loads such folders without
     # the package), and it computes what was measured.
@@ -143,19 +147,25 @@ def test_masked_lm_distillation(tmp_path):
 
 @pytest.mark.parametrize("objective", ["similarity", "mlm"])
 def test_packed_healing_is_padded_healing(tmp_path, objective):
-    """Without dropout, healing on padding-free batches computes what healing on padded ones does, step by step."""
-    save_source(tmp_path / "bert", "bert", "ForMaskedLM", initializer_range=0.2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    """Healing trains without dropout, so on padding-free batches it computes what it does on padded ones, step by
+    step (the source is configured with dropout); with its dropout the two draw different masks."""
+    save_source(tmp_path / "bert", "bert", "ForMaskedLM", initializer_range=0.2)
     convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre", log=lambda line: None)
     (tmp_path / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
     reports = {
-        packing: heal_checkpoint(str(tmp_path / "pre"), str(tmp_path / f"healed-{packing}"), data=str(tmp_path / "text.txt"),
-                                 objective=objective, packing=packing, **HEAL)
+        (packing, dropout): heal_checkpoint(
+            str(tmp_path / "pre"), str(tmp_path / f"healed-{packing}-{dropout}"), data=str(tmp_path / "text.txt"),
+            objective=objective, packing=packing, dropout=dropout, **HEAL,
+        )
         for packing in (False, True)
+        for dropout in (False, True)
     }
-    assert reports[True]["packing"] and not reports[False]["packing"]
-    padded, packed = ([entry for entry in reports[p]["log_history"] if "loss" in entry] for p in (False, True))
+    assert reports[True, False]["packing"] and not reports[False, False]["packing"] and reports[True, True]["dropout"]
+    losses = {key: [entry for entry in report["log_history"] if "loss" in entry] for key, report in reports.items()}
+    padded, packed = losses[False, False], losses[True, False]
     assert len(padded) == len(packed) == HEAL["max_steps"]
     for a, b in zip(padded, packed):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3, abs=1e-4)
-    for a, b in zip(reports[False]["after"], reports[True]["after"]):
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(losses[False, True], losses[True, True])) > 1e-3
+    for a, b in zip(reports[False, False]["after"], reports[True, False]["after"]):
         assert a["token_cosine"] == pytest.approx(b["token_cosine"], abs=1e-4) and a["mse"] == pytest.approx(b["mse"], abs=1e-4)
