@@ -32,7 +32,7 @@ def _add_convert(commands) -> None:
     parser.add_argument("--norm-mapping", choices=NORM_MAPPINGS, default="shift")
     parser.add_argument(
         "--calibrate", action=argparse.BooleanOptionalAction, default=True,
-        help="scale sublayer writes where norms that wrote the residual stream come to read it (post -> pre, sandwich)",
+        help="scale sublayer writes, and refit output projections against the source, where norms that wrote the residual stream come to read it (post -> pre, sandwich)",
     )
     parser.add_argument("--attention", choices=("bidirectional", "causal"), help="default: bidirectional (a NormSwap source: its own)")
     parser.add_argument("--head", choices=("auto", *HEAD_CLASSES), default="auto")

@@ -79,8 +79,8 @@ def convert_checkpoint(
     """Converts SOURCE (folder or Hub id) to a NormSwap checkpoint in OUTPUT and returns the conversion report.
 
     `attention` defaults to bidirectional, or to the source's own for a NormSwap source. With `calibrate`, a swap that
-    turns norms writing the residual stream into norms reading it has its sublayers' writes scaled (see
-    `hf_normswap.calibration`).
+    turns norms writing the residual stream into norms reading it has its sublayers' writes scaled and its output
+    projections refitted against the source (see `hf_normswap.calibration`).
     """
     if attention not in (None, "bidirectional", "causal"):
         raise ConversionError(f"attention={attention!r} is invalid: allowed are 'bidirectional', 'causal'")
