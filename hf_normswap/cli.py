@@ -133,9 +133,11 @@ def _add_heal(commands) -> None:
     parser.add_argument("--eval-size", type=int, default=EVAL_SIZE, help="held-out texts measured before, during and after")
     parser.add_argument("--checkpoint-dir", help="keep resumable Trainer checkpoints here; a rerun continues from the last")
     parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=DEFAULTS["packing"],
-                        help="train the student on padding-free batches (default: on; the teacher keeps padding)")
+                        help="run student and teacher on padding-free batches (default: on)")
     parser.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=DEFAULTS["dropout"],
                         help="train the student with its configured dropout (default: off; the saved config keeps it)")
+    parser.add_argument("--freeze-embeddings", action=argparse.BooleanOptionalAction, default=DEFAULTS["freeze_embeddings"],
+                        help="keep the student's embeddings as converted (default: on)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
 
 

@@ -193,7 +193,7 @@ def _healed_variant(model: str, name: str, from_config: bool, task, experiment: 
             overwrite=True, log=None, **{"packing": experiment.packing, **(experiment.heal or {})},
         )
     record = json.loads((folder / "heal.json").read_text())
-    summary = {key: record[key] for key in ("objective", "steps", "learning_rate", "batch_size", "packing", "dropout", "seconds", "resumed", "teacher_collapse")}
+    summary = {key: record[key] for key in ("objective", "steps", "learning_rate", "batch_size", "packing", "dropout", "freeze_embeddings", "seconds", "resumed", "teacher_collapse")}
     summary.update(before=record["before"][-1], after=record["after"][-1], data=record["data"]["name"])
     return {"kind": "converted", "path": str(folder), "heal": summary}
 

@@ -156,7 +156,7 @@ def convert_checkpoint(
     }
 
     with output_folder(output, overwrite) as staging:
-        tensors = _write_weights(
+        _write_weights(
             files, source_family, plain, target, head, norm_sources, exact_swap, dtype, staging, report
         )
         report["tokenizer"] = _copy_tokenizer(folder, source_family, staging)
@@ -167,7 +167,7 @@ def convert_checkpoint(
             shutil.copy(_CODE_DIR / code, staging / code)
         report["target_config"] = target.to_dict()
         sublayers = calibrated_sublayers(target, norm_sources, norm_slots(plain)) if calibrate and not exact_swap else {}
-        plain_model = load_plain(plain, head, source_family, tensors) if verify or sublayers else None
+        plain_model = load_plain(plain, head, source_family, files) if verify or sublayers else None
         if sublayers:
             report["calibration"] = _calibrate(staging, head, plain_model, target, norm_sources, sublayers, report, log)
 
@@ -187,9 +187,9 @@ def convert_checkpoint(
     return report
 
 
-def _write_weights(files, family, plain, target, head, norm_sources, exact_swap, dtype, staging, report) -> dict:
+def _write_weights(files, family, plain, target, head, norm_sources, exact_swap, dtype, staging, report) -> None:
     """Streams the source tensors into the target's names and shards (through memory when an exact swap rewrites
-    them); returns where each plain tensor came from."""
+    them)."""
     with torch.device("meta"):
         expected = HEAD_CLASSES[head](target).state_dict()
     tied = set(HEAD_CLASSES[head]._tied_weights_keys or {}) if target.tie_word_embeddings else set()
@@ -197,7 +197,7 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
     plain_norms = {slot.name for slot in norm_slots(plain)}
     cast = getattr(torch, dtype) if dtype else None
     writer = ShardWriter(staging, max_shard_bytes=max(file.stat().st_size for file in files))
-    origins, written, dropped, collected, dtypes = {}, set(), [], {}, []
+    written, dropped, collected, dtypes = set(), [], {}, []
 
     def place(name: str, tensor: torch.Tensor, file: Path, source_name: str) -> None:
         name = local_name(name, head)
@@ -223,7 +223,6 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
                     f"{file}: unexpected tensor {source_name!r} for a {family.name}-family checkpoint"
                 ) from None
             for name, tensor in converted:
-                origins[name] = (file, source_name)
                 norm, parameter = name.rsplit(".", 1)
                 if norm in plain_norms:
                     if norm not in moved_norms:
@@ -276,7 +275,6 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
             f"the norm weights hold the source's {family.norm_weight_offset:g} + w, rounded to "
             f"{report['weights']['dtype']}; the source adds in float32, so outputs differ slightly outside float32"
         )
-    return origins
 
 
 def _calibrate(staging: Path, head: str, plain_model, target: NormSwapConfig, norm_sources: dict, sublayers: dict, report: dict, log) -> dict:
@@ -341,22 +339,29 @@ def _copy_tokenizer(folder: Path, family, staging: Path) -> dict:
     return {"files": files, "pad_token_added": added}
 
 
-def load_plain(plain: NormSwapConfig, head: str, family, origins: dict) -> torch.nn.Module:
-    """The unswapped NormSwap model, in float32, with the source's tensors read back by name."""
+def load_plain(plain: NormSwapConfig, head: str, family, files: list[Path]) -> torch.nn.Module:
+    """The unswapped NormSwap model of the source's weight files, in float32."""
     model = HEAD_CLASSES[head]._from_config(plain, dtype=torch.float32)
-    by_file = {}
-    for name, (file, source_name) in origins.items():
-        by_file.setdefault(file, set()).add(source_name)
     expected = set(model.state_dict())
     state = {}
-    for file, names in by_file.items():
+    for file in files:
         for source_name, tensor in read_tensors(file):
-            if source_name in names:
-                for name, value in family.to_normswap(source_name, tensor.float(), head):
-                    if local_name(name, head) in expected:
-                        state[local_name(name, head)] = value
+            for name, value in family.to_normswap(source_name, tensor.float(), head):
+                if local_name(name, head) in expected:
+                    state[local_name(name, head)] = value
     model.load_state_dict(state, strict=False)
     return model.eval()
+
+
+def load_unswapped(source: str, head: str = "base") -> torch.nn.Module:
+    """SOURCE (folder or Hub id of a BERT-, LLaMA-family or NormSwap checkpoint) as the unswapped NormSwap model with
+    `head`, in float32: the model every conversion of it is verified against."""
+    folder, _ = resolve_source(source)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        return load_plain(normswap_config(config), head, family_of(config), weight_files(folder))
+    except (OSError, ValueError, KeyError) as error:
+        raise ConversionError(f"{source}: cannot be loaded as NormSwap ({str(error).splitlines()[0]})") from None
 
 
 def random_batch(vocab_size: int, pad_token_id: int | None, seed: int = 0):

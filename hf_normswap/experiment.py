@@ -19,7 +19,7 @@ TASK_TYPES = ("sequence-classification", "causal-lm")
 TRACKERS = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "trackio": is_trackio_available}
 VARIANT_SETTINGS = ("learning_rate", "warmup_ratio")  # what `VARIANT@field=value` may pin
 HEAL_SUFFIX = "+heal"  # `pre+heal`: the converted variant is healed before fine-tuning
-HEAL_SETTINGS = ("data", "text_column", "data_dir", "objective", "max_steps", "learning_rate", "batch_size", "max_length", "eval_size", "packing", "dropout")
+HEAL_SETTINGS = ("data", "text_column", "data_dir", "objective", "max_steps", "learning_rate", "batch_size", "max_length", "eval_size", "packing", "dropout", "freeze_embeddings")
 _PATH_FIELDS = ("model", "tokenizer", "task", "data_dir")  # relative to the experiment file when found there
 
 
@@ -116,7 +116,7 @@ class Experiment:
                 raise ValueError(f"variant {variant!r}: healing needs a converted variant of a pretrained checkpoint")
         unknown = sorted(set(self.heal or {}) - set(HEAL_SETTINGS))
         if unknown:
-            raise ValueError(f"heal: unknown settings {unknown}; allowed: {', '.join(HEAL_SETTINGS)}")
+            raise ValueError(f"heal: unknown settings {unknown}; allowed: {' '.join(HEAL_SETTINGS)}")
         if self.reference is not None and self.reference not in self.variants:
             raise ValueError(f"reference={self.reference!r} is invalid: it must be one of the variants {self.variants}")
         _choice("task_type", self.task_type, TASK_TYPES)

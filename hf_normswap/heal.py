@@ -14,8 +14,11 @@ are. The objectives:
 - `mlm`: `similarity`, plus the KL divergence of the masked-LM predictions on masked tokens (both need a masked-LM
   head).
 
-The student trains without dropout unless asked (`dropout=True`): it is matching a deterministic function, and
-dropout's noise costs more of it than it regularises (measured). Which objective, learning rate and dropout are the
+The teacher is the source as NormSwap without a swap (the model conversions are verified against), so that it runs
+on padding-free batches with the student. The student trains without dropout unless asked (`dropout=True`): it is
+matching a deterministic function, and dropout's noise costs more of it than it regularises (measured). Its
+embeddings stay frozen unless asked (`freeze_embeddings=False`): a swap moves norms, not the lexicon, and a text
+sample reaches only the embeddings of its own tokens. Which objective, learning rate, dropout and freezing are the
 defaults was measured on all-MiniLM-L6-v2 (post -> pre); see the README.
 """
 
@@ -29,8 +32,6 @@ import torch.nn.functional as F
 from datasets import Dataset, load_dataset
 from transformers import (
     AutoConfig,
-    AutoModel,
-    AutoModelForMaskedLM,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
@@ -41,7 +42,7 @@ from transformers import (
 
 from .checkpoint import check_output, output_folder
 from .collapse import POOLINGS, boundary_states, collapse_of_states, pool
-from .convert import copy_tokenizer_files
+from .convert import ConversionError, copy_tokenizer_files, load_unswapped
 from .heads import HEAD_CLASSES, head_of_config
 from .packing import pack_padded, unpack
 from .swap_effect import mask_every_sixth
@@ -50,8 +51,8 @@ from .tasks import GLUE_TASKS, load_task
 
 OBJECTIVES = ("hidden", "cka", "similarity", "mlm")
 DEFAULTS = dict(
-    data="sst2-sample", objective="similarity", max_steps=500, learning_rate=5e-4, batch_size=32, max_length=128, packing=True,
-    dropout=False,
+    data="sst2-sample", objective="similarity", max_steps=700, learning_rate=5e-4, batch_size=32, max_length=128, packing=True,
+    dropout=False, freeze_embeddings=True,
 )
 DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "classifier_dropout")
 EVAL_SIZE = 256
@@ -100,7 +101,8 @@ def heal_loss(objective: str, student: tuple, teacher: tuple, attention_mask: to
 
 
 class HealTrainer(Trainer):
-    """A Trainer whose loss is the distance of the model's boundary states to the teacher's."""
+    """A Trainer whose loss is the distance of the model's boundary states to the teacher's (both run on the same
+    batch, padding-free with `packing`)."""
 
     def __init__(self, *args, teacher: torch.nn.Module, objective: str, packing: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
@@ -110,9 +112,11 @@ class HealTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels", None)
+        packed, index = pack_padded(inputs) if self.packing else (inputs, None)
+        packed = {key: value.to(self.args.device) for key, value in packed.items()}
         with torch.no_grad():
-            teacher = self.teacher(**inputs, output_hidden_states=True)
-        student = self._student_outputs(model, inputs, token_logits=labels is not None)
+            teacher = _outputs(self.teacher, packed, index, token_logits=labels is not None)
+        student = _outputs(model, packed, index, token_logits=labels is not None)
         loss = heal_loss(self.objective, student.hidden_states, teacher.hidden_states, inputs["attention_mask"])
         if labels is not None:  # masked-LM distillation on the masked tokens
             masked = labels != -100
@@ -122,17 +126,16 @@ class HealTrainer(Trainer):
             )
         return (loss, student) if return_outputs else loss
 
-    def _student_outputs(self, model, inputs: dict, token_logits: bool):
-        """The student's outputs on the padded batch; with packing, computed on the batch packed and its hidden states
-        (and per-token logits) laid back out."""
-        if not self.packing:
-            return model(**inputs, output_hidden_states=True)
-        packed, index = pack_padded(inputs)
-        outputs = model(**{k: v.to(self.args.device) for k, v in packed.items()}, output_hidden_states=True)
+
+def _outputs(model: torch.nn.Module, batch: dict, index: torch.Tensor | None, token_logits: bool):
+    """The model's outputs on `batch`; for a packed batch (`index` from `pack_padded`), its hidden states (and
+    per-token logits) laid back out as the padded batch."""
+    outputs = model(**batch, output_hidden_states=True)
+    if index is not None:
         outputs.hidden_states = tuple(unpack(states, index) for states in outputs.hidden_states)
         if token_logits:
             outputs.logits = unpack(outputs.logits, index)
-        return outputs
+    return outputs
 
 
 @torch.no_grad()
@@ -263,14 +266,16 @@ def heal_checkpoint(
     checkpoint_dir: str | None = None,
     packing: bool = DEFAULTS["packing"],
     dropout: bool = DEFAULTS["dropout"],
+    freeze_embeddings: bool = DEFAULTS["freeze_embeddings"],
     overwrite: bool = False,
     log=print,
 ) -> dict:
     """Heals the NormSwap checkpoint VARIANT into OUTPUT (same format, plus heal.json and heal.png); returns heal.json.
 
     With `checkpoint_dir`, the Trainer keeps resumable checkpoints there and a rerun continues from the last one.
-    With `packing`, the student trains on padding-free batches (the teacher, which need not pack, keeps padding).
+    With `packing`, student and teacher run on padding-free batches.
     With `dropout`, the student trains with the dropout of its configuration, else with none (saved unchanged).
+    With `freeze_embeddings`, the student's embeddings (and a masked-LM decoder tied to them) are not trained.
     """
     if objective not in OBJECTIVES:
         raise HealError(f"objective={objective!r} is invalid: allowed are {list(OBJECTIVES)}")
@@ -285,6 +290,7 @@ def heal_checkpoint(
         raise HealError(f"{variant}: not a checkpoint folder (no config.json)")
     teacher_id = resolve_teacher(folder, teacher)
     student, configured_dropout = _load_student(folder, dropout)
+    student.base_model.embeddings.requires_grad_(not freeze_embeddings)
     head = head_of_config(student.config)
     mlm = objective == "mlm"
     if mlm and head != "masked-lm":
@@ -294,7 +300,9 @@ def heal_checkpoint(
         teacher_mlm = head == "masked-lm" and head_of_config(teacher_config) == "masked-lm"
         if mlm and not teacher_mlm:
             raise HealError(f"objective='mlm' needs a masked-LM teacher; {teacher_id} has none")
-        teacher_model = (AutoModelForMaskedLM if teacher_mlm else AutoModel).from_pretrained(teacher_id, dtype=torch.float32)
+        teacher_model = load_unswapped(teacher_id, "masked-lm" if teacher_mlm else "base")
+    except ConversionError as error:
+        raise HealError(f"teacher {error}") from None
     except (OSError, ValueError) as error:
         raise HealError(f"teacher {teacher_id}: cannot be loaded ({str(error).splitlines()[0]})") from None
     for field in ("vocab_size", "hidden_size", "num_hidden_layers"):
@@ -358,6 +366,7 @@ def heal_checkpoint(
             "max_length": max_length,
             "packing": packing,
             "dropout": dropout,
+            "freeze_embeddings": freeze_embeddings,
             "seconds": seconds,
             "resumed": resume,
             "teacher_collapse": teacher_collapse,

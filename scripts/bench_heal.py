@@ -5,7 +5,7 @@ shipped sample: the last hidden state's mean token cosine to the source (target 
 collapse figure against the source's (target: within 0.05), and the healing time (target: <= 300 s on 2 CPU cores).
 
     python scripts/bench_heal.py [--objective hidden] [--max-steps 300] [--learning-rate 2e-4] [--placement pre] [--no-packing]
-        [--no-calibrate] [--dropout]
+        [--no-calibrate] [--dropout] [--no-freeze-embeddings]
 """
 
 import argparse
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
     parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=DEFAULTS["packing"], help="padding-free student batches")
     parser.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=DEFAULTS["dropout"], help="the student's dropout while healing")
+    parser.add_argument("--freeze-embeddings", action=argparse.BooleanOptionalAction, default=DEFAULTS["freeze_embeddings"], help="keep the student's embeddings as converted")
     parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True, help="calibrated conversion (convert's default)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
@@ -39,7 +40,7 @@ def main() -> None:
         )
         report = heal_checkpoint(
             str(converted), str(healed), objective=args.objective, max_steps=args.max_steps,
-            learning_rate=args.learning_rate, batch_size=args.batch_size, packing=args.packing, dropout=args.dropout,
+            learning_rate=args.learning_rate, batch_size=args.batch_size, packing=args.packing, dropout=args.dropout, freeze_embeddings=args.freeze_embeddings,
             eval_size=256, log=None,
         )
     before, after = report["before"][-1], report["after"][-1]
@@ -54,7 +55,7 @@ def main() -> None:
         ("healing seconds", None, report["seconds"], "<= 300 on 2 CPU cores", report["seconds"] <= 300),
     ]
     print(f"MiniLM post -> {args.placement}, healed: objective {args.objective}, {args.max_steps} steps, batch "
-          f"{args.batch_size}, learning rate {args.learning_rate}, packing {args.packing}, dropout {args.dropout}, calibrated conversion {args.calibrate}; {report['data']['held_out_rows']} held-out sentences")
+          f"{args.batch_size}, learning rate {args.learning_rate}, packing {args.packing}, dropout {args.dropout}, frozen embeddings {args.freeze_embeddings}, calibrated conversion {args.calibrate}; {report['data']['held_out_rows']} held-out sentences")
     print(f"{'figure':48} {'converted':>10} {'healed':>10}  target")
     for name, start, end, target, met in rows:
         verdict = "" if met is None else ("met" if met else "MISSED")

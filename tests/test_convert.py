@@ -9,7 +9,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, OPTConf
 
 from hf_normswap import NormSwapConfig, convert_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.convert import ConversionError
+from hf_normswap.convert import ConversionError, load_unswapped
 from hf_normswap.heads import HEAD_CLASSES
 from hf_normswap.swap_effect import SENTENCES
 
@@ -90,6 +90,27 @@ def test_conversion_without_swap_is_exact(tmp_path, model_type, suffix, head):
         expected, got = (native.base_model if head == "base" else native)(**batch)[0], ours(**batch)[0]
     difference = (expected - got).abs()
     assert (difference[real] if difference.shape[:2] == real.shape else difference).max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("model_type, suffix, head", [("bert", "ForMaskedLM", "masked-lm"), ("llama", "Model", "base")])
+def test_unswapped_source_computes_what_the_source_computes(tmp_path, model_type, suffix, head):
+    """The model `heal` teaches with: the source as NormSwap without a swap (a NormSwap folder as itself), in its own
+    attention, padded or padding-free."""
+    native = save_source(tmp_path / "source", model_type, suffix)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "ns"), attention="causal" if model_type == "llama" else None, log=lambda _: None)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ns")
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt", return_token_type_ids=False)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = native(**batch, output_hidden_states=True).hidden_states
+        for source in ("source", "ns"):
+            model = load_unswapped(str(tmp_path / source), head)
+            assert model.config.is_causal == (model_type == "llama") and not model.training
+            for a, b in zip(expected, model(**batch, output_hidden_states=True).hidden_states, strict=True):
+                assert (a - b)[real].abs().max().item() <= 1e-5
+    with pytest.raises(ConversionError, match="cannot be loaded as NormSwap"):
+        (tmp_path / "empty").mkdir()
+        load_unswapped(str(tmp_path / "empty"))
 
 
 def test_llama_becomes_bidirectional_but_verifies_in_causal_mode(tmp_path):

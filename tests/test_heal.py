@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, OPTConfig, OPTModel
 
 import hf_normswap
 from hf_normswap import convert_checkpoint, heal_checkpoint
@@ -61,10 +62,12 @@ def test_healing_reduces_distance(variant, objective):
     carried = json.loads((output / "conversion.json").read_text())
     assert carried.pop("heal")["after"] == saved["after"][-1]
     assert carried == json.loads((variant / "pre" / "conversion.json").read_text())
-    # Trained without dropout (the default), saved with the variant's.
+    # Trained without dropout (the default), saved with the variant's; the embeddings as converted (the default).
     assert saved["dropout"] is False
     configs = [json.loads((folder / "config.json").read_text()) for folder in (output, variant / "pre")]
     assert [config["hidden_dropout"] for config in configs] == [0.1, 0.1]
+    assert saved["freeze_embeddings"] is True
+    assert _embeddings_changed(output, variant / "pre") == {}
 
     # The healed folder is a checkpoint like convert's (code and auto_map: test_remote_code loads such folders without
     # the package), and it computes what was measured.
@@ -85,6 +88,7 @@ def test_heal_cli_bad_input(variant, tmp_path, capsys):
     (tmp_path / "blank.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": " "}) + "\n")
     vocab_size = json.loads((variant / "pre" / "config.json").read_text())["vocab_size"]
     BertModel(BertConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)).save_pretrained(tmp_path / "wide")
+    OPTModel(OPTConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32)).save_pretrained(tmp_path / "opt")
     no_record = tmp_path / "no-record"
     no_record.mkdir()
     for file in (variant / "pre").iterdir():
@@ -95,6 +99,7 @@ def test_heal_cli_bad_input(variant, tmp_path, capsys):
     cases = [
         ([str(no_record), out], "no conversion.json naming its source; pass --teacher"),
         ([pre, out, "--teacher", str(tmp_path / "wide")], "hidden_size 64 differs from the student's 32"),
+        ([pre, out, "--teacher", str(tmp_path / "opt")], "cannot be loaded as NormSwap"),
         ([pre, out, "--data", str(tmp_path / "empty.jsonl")], "is empty"),
         ([pre, out, "--data", str(tmp_path / "blank.jsonl")], "holds no tokens"),
         ([pre, out, "--max-steps", "0"], "max_steps=0 is invalid"),
@@ -143,6 +148,23 @@ def test_masked_lm_distillation(tmp_path):
     losses = report["masked_lm_loss"]
     assert losses["after"] < losses["before"] and losses["teacher"] > 0, losses
     assert report["after"][-1]["token_cosine"] > report["before"][-1]["token_cosine"]
+
+
+def _embeddings_changed(healed: Path, converted: Path) -> dict:
+    """The embedding tensors that healing changed, with their largest change."""
+    before, after = (load_file(folder / "model.safetensors") for folder in (converted, healed))
+    changes = {name: (after[name] - tensor).abs().max().item() for name, tensor in before.items() if "embeddings." in name}
+    assert changes, "no embedding tensors"
+    return {name: change for name, change in changes.items() if change > 0}
+
+
+def test_unfrozen_embeddings_are_trained(variant):
+    output = variant / "healed-unfrozen"
+    assert cli(["heal", str(variant / "pre"), str(output), "--data", str(variant / "text.txt"), "--max-steps", "4",
+                "--batch-size", "8", "--eval-size", "8", "--no-freeze-embeddings"]) == 0
+    assert json.loads((output / "heal.json").read_text())["freeze_embeddings"] is False
+    changed = _embeddings_changed(output, variant / "pre")
+    assert "embeddings.word_embeddings.weight" in changed and min(changed.values()) > 1e-4, changed
 
 
 @pytest.mark.parametrize("objective", ["similarity", "mlm"])
