@@ -121,7 +121,7 @@ def _add_heal(commands) -> None:
     )
     parser.add_argument("variant", help="a NormSwap checkpoint folder written by convert")
     parser.add_argument("output", help="folder to write")
-    parser.add_argument("--teacher", help="folder or Hub id (default: the source named in VARIANT's conversion.json)")
+    parser.add_argument("--teacher", help="folder or Hub id of a BERT-, LLaMA-family or NormSwap checkpoint (default: the source named in VARIANT's conversion.json)")
     parser.add_argument("--data", default=DEFAULTS["data"], help="sst2-sample (default), a GLUE task name, a .txt / .csv / .jsonl file, or a datasets hub id")
     parser.add_argument("--text-column", help="the text column of a CSV / JSON-lines file or hub dataset (default: text)")
     parser.add_argument("--data-dir", help="folder holding GLUE TASK/train.jsonl and TASK/validation.jsonl")
