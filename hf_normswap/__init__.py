@@ -1,14 +1,14 @@
 """hf_normswap: pretrained weights under a different layer-norm arrangement."""
 
-__version__ = "0.1.0"
+from importlib.metadata import version
 
 from transformers import AutoConfig
 
-from .configuration_normswap import NormSwapConfig, mix_ln_placement
 from .convert import convert_checkpoint
 from .heal import heal_checkpoint
-from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES
-from .modeling_normswap import (
+from .model.configuration_normswap import NormSwapConfig, mix_ln_placement
+from .model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES
+from .model.modeling_normswap import (
     NormSwapForCausalLM,
     NormSwapForMaskedLM,
     NormSwapForQuestionAnswering,
@@ -17,8 +17,10 @@ from .modeling_normswap import (
     NormSwapModel,
     NormSwapPreTrainedModel,
 )
-from .packing import DataCollatorWithPacking
+from .model.packing import DataCollatorWithPacking
 
+
+__version__ = version("hf-normswap")
 
 AutoConfig.register(NormSwapConfig.model_type, NormSwapConfig)
 for _head, _model_class in HEAD_CLASSES.items():

@@ -10,9 +10,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+    "spiece.model",
+)
 
 
 class CheckpointError(ValueError):
@@ -118,7 +133,9 @@ def update_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
         with safe_open(file, framework="pt") as opened:
             if not set(opened.keys()) & set(tensors):
                 continue
-        state = {name: tensors[name].to(tensor.dtype) if name in tensors else tensor for name, tensor in read_tensors(file)}
+        state = {
+            name: tensors[name].to(tensor.dtype) if name in tensors else tensor for name, tensor in read_tensors(file)
+        }
         save_file(state, file.with_suffix(".tmp"), metadata={"format": "pt"})
         os.replace(file.with_suffix(".tmp"), file)
 
@@ -153,3 +170,25 @@ def output_folder(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def resolve_source(source: str, allow_pickle: bool = False) -> tuple[Path, str | None]:
+    """A local folder as is, or a Hub id downloaded (config, weights, tokenizer); returns (folder, revision)."""
+    if Path(source).is_dir():
+        return Path(source), None
+    if Path(source).exists():
+        raise CheckpointError(f"{source}: a checkpoint must be a folder")
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"] + (["*.bin"] if allow_pickle else [])
+    try:
+        folder = Path(snapshot_download(source, allow_patterns=patterns))
+    except Exception as error:
+        raise CheckpointError(f"{source}: not a local folder, and not downloadable from the Hub ({error})") from None
+    return folder, folder.name
+
+
+def copy_tokenizer_files(folder: Path, destination: Path) -> list[str]:
+    """Copies the tokenizer files found in `folder`; returns their names."""
+    present = [name for name in TOKENIZER_FILES if (folder / name).exists()]
+    for name in present:
+        shutil.copy(folder / name, destination / name)
+    return present

@@ -1,8 +1,14 @@
-"""The `hf-normswap` command line: convert, export-native, generate, heal, compare, push."""
+"""The `hf-normswap` command line: convert, export-native, generate, heal, compare, push.
+
+The options of convert, heal and compare are the fields of their option dataclasses (`ConvertOptions`,
+`HealOptions`, `Experiment`), turned into `--` options by `add_options`.
+"""
 
 import argparse
 import dataclasses
 import sys
+import types
+import typing
 from pathlib import Path
 
 import datasets
@@ -10,69 +16,76 @@ import yaml
 from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as transformers_logging
 
-from .configuration_normswap import NORM_PLACEMENTS, NORM_TYPES, POSITION_EMBEDDING_TYPES
-from .convert import DTYPES
-from .families import FAMILIES
-from .heads import HEAD_CLASSES
-from .norm_mapping import NORM_MAPPINGS
+from .compare.experiment import Experiment
+from .convert.options import ConvertOptions
+from .heal.options import HealOptions
 
 
-def _placement(value: str) -> str | list[str]:
-    """One placement, or a comma-separated list with one per layer."""
-    return value.split(",") if "," in value else value
+def add_options(parser: argparse.ArgumentParser, options: type, shown=None) -> None:
+    """One `--name` option per field of the dataclass `options`: read by its annotation (or the field's `parse`
+    metadata), with the field's `choices` and `help`; the default shown is `shown`'s value (default: the field's).
+    An option not given is None, so that the dataclass's own default applies."""
+    hints = typing.get_type_hints(options)
+    for field in dataclasses.fields(options):
+        default = getattr(shown, field.name) if shown is not None else _default(field)
+        help = field.metadata.get("help", "")
+        if "default:" not in help:  # a help that says its own default ("default: the source's") keeps it
+            help = f"{help} (default: {default})".lstrip()
+        help = help.replace("%", "%%")  # argparse formats help with %
+        flag = "--" + field.name.replace("_", "-")
+        if hints[field.name] is bool:
+            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=help)
+            continue
+        read = field.metadata.get("parse") or _reader(hints[field.name])
+        parser.add_argument(flag, dest=field.name, type=read, choices=field.metadata.get("choices"), help=help)
+
+
+def given(args: argparse.Namespace, options: type) -> dict:
+    """The fields of `options` that were given on the command line."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(options) if getattr(args, f.name) is not None}
+
+
+def _default(field: dataclasses.Field):
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def _reader(annotation):
+    """How to read a value of `annotation`: lists comma-separated (their items checked by the dataclass), mappings
+    as YAML, scalars by their type; `X | None` as X."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(kind for kind in typing.get_args(annotation) if kind is not type(None))
+    if typing.get_origin(annotation) is list:
+        return lambda text: text.split(",")
+    if annotation is dict or typing.get_origin(annotation) is dict:
+        return yaml.safe_load  # e.g. --heal "{max_steps: 100}"
+    return annotation
 
 
 def _add_convert(commands) -> None:
     parser = commands.add_parser("convert", help="put a supported pretrained or NormSwap checkpoint on NormSwap")
     parser.add_argument("source", help="local folder or Hub id")
     parser.add_argument("output", help="folder to write")
-    parser.add_argument("--norm-placement", type=_placement, help=f"one of {', '.join(NORM_PLACEMENTS)} (or one per layer, comma-separated); default: the source's")
-    parser.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, help="default: the source's")
-    parser.add_argument("--norm-type", choices=NORM_TYPES, help="default: the source's")
-    parser.add_argument("--norm-mapping", choices=NORM_MAPPINGS, default="shift")
-    parser.add_argument(
-        "--calibrate", action=argparse.BooleanOptionalAction, default=True,
-        help="scale sublayer writes, and refit output projections against the source, where norms that wrote the residual stream come to read it (post -> pre, sandwich)",
-    )
-    parser.add_argument("--attention", choices=("bidirectional", "causal"), help="default: bidirectional (a NormSwap source: its own)")
-    parser.add_argument("--head", choices=("auto", *HEAD_CLASSES), default="auto")
-    parser.add_argument("--dtype", choices=DTYPES)
-    parser.add_argument("--no-verify", action="store_true", help="skip the exactness check and the swap measurement")
+    add_options(parser, ConvertOptions)
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
-    parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin (loaded with weights_only=True)")
-    parser.add_argument("--family", choices=[family.name for family in FAMILIES], help="refuse sources of any other family")
 
 
 def _run_convert(args) -> None:
     from .convert import convert_checkpoint
 
-    convert_checkpoint(
-        args.source,
-        args.output,
-        norm_placement=args.norm_placement,
-        position_embedding_type=args.position_embedding_type,
-        norm_type=args.norm_type,
-        norm_mapping=args.norm_mapping,
-        calibrate=args.calibrate,
-        attention=args.attention,
-        head=args.head,
-        dtype=args.dtype,
-        verify=not args.no_verify,
-        overwrite=args.overwrite,
-        allow_pickle=args.allow_pickle,
-        family=args.family,
-    )
+    convert_checkpoint(args.source, args.output, overwrite=args.overwrite, **given(args, ConvertOptions))
 
 
 def _add_export(commands) -> None:
-    parser = commands.add_parser("export-native", help="write a NormSwap checkpoint as its native Transformers classes")
+    parser = commands.add_parser(
+        "export-native", help="write a NormSwap checkpoint as its native Transformers classes"
+    )
     parser.add_argument("source", help="NormSwap checkpoint folder or Hub id")
     parser.add_argument("output", help="folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
 
 
 def _run_export(args) -> None:
-    from .export import export_native
+    from .convert.export import export_native
 
     export_native(args.source, args.output, overwrite=args.overwrite)
 
@@ -85,7 +98,9 @@ def _positive(text: str) -> int:
 
 
 def _add_generate(commands) -> None:
-    parser = commands.add_parser("generate", help="continue prompts with a causal NormSwap model (text-generation pipeline)")
+    parser = commands.add_parser(
+        "generate", help="continue prompts with a causal NormSwap model (text-generation pipeline)"
+    )
     parser.add_argument("folder", help="NormSwap causal-LM checkpoint folder or Hub id")
     parser.add_argument("--prompt", required=True, action="append", help="the text to continue; repeat for more")
     parser.add_argument("--max-new-tokens", type=_positive, default=32)
@@ -96,7 +111,7 @@ def _add_generate(commands) -> None:
 def _run_generate(args) -> None:
     from transformers import AutoConfig, pipeline, set_seed
 
-    from .heads import head_of_config
+    from .model.heads import head_of_config
 
     config = AutoConfig.from_pretrained(args.folder)
     if config.model_type != "normswap" or not config.is_causal or head_of_config(config) != "causal-lm":
@@ -111,91 +126,47 @@ def _run_generate(args) -> None:
 
 
 def _add_heal(commands) -> None:
-    from .heal import DEFAULTS, EVAL_SIZE, OBJECTIVES
-
     parser = commands.add_parser(
         "heal",
         help="train a swapped variant to compute what its unswapped source computes",
-        description="Distils the source (the teacher) into the converted VARIANT on unlabeled text, through the Trainer, "
-        "and writes the healed checkpoint with heal.json (before/after figures per layer) and heal.png.",
+        description="Distils the source (the teacher) into the converted VARIANT on unlabeled text, through the "
+        "Trainer, and writes the healed checkpoint with heal.json (before/after figures per layer) and heal.png.",
     )
     parser.add_argument("variant", help="a NormSwap checkpoint folder written by convert")
     parser.add_argument("output", help="folder to write")
-    parser.add_argument("--teacher", help="folder or Hub id of a BERT-, LLaMA-family or NormSwap checkpoint (default: the source named in VARIANT's conversion.json)")
-    parser.add_argument("--data", default=DEFAULTS["data"], help="sst2-sample (default), a GLUE task name, a .txt / .csv / .jsonl file, or a datasets hub id")
-    parser.add_argument("--text-column", help="the text column of a CSV / JSON-lines file or hub dataset (default: text)")
-    parser.add_argument("--data-dir", help="folder holding GLUE TASK/train.jsonl and TASK/validation.jsonl")
-    parser.add_argument("--objective", choices=OBJECTIVES, default=DEFAULTS["objective"])
-    parser.add_argument("--max-steps", type=int, default=DEFAULTS["max_steps"])
-    parser.add_argument("--learning-rate", type=float, default=DEFAULTS["learning_rate"])
-    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
-    parser.add_argument("--max-length", type=int, default=DEFAULTS["max_length"])
-    parser.add_argument("--eval-size", type=int, default=EVAL_SIZE, help="held-out texts measured before, during and after")
-    parser.add_argument("--checkpoint-dir", help="keep resumable Trainer checkpoints here; a rerun continues from the last")
-    parser.add_argument("--packing", action=argparse.BooleanOptionalAction, default=DEFAULTS["packing"],
-                        help="run student and teacher on padding-free batches (default: on)")
-    parser.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=DEFAULTS["dropout"],
-                        help="train the student with its configured dropout (default: off; the saved config keeps it)")
-    parser.add_argument("--freeze-embeddings", action=argparse.BooleanOptionalAction, default=DEFAULTS["freeze_embeddings"],
-                        help="keep the student's embeddings as converted (default: on)")
+    add_options(parser, HealOptions)
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
 
 
 def _run_heal(args) -> None:
-    from .experiment import HEAL_SETTINGS
     from .heal import heal_checkpoint
 
-    options = {name: getattr(args, name) for name in (*HEAL_SETTINGS, "teacher", "checkpoint_dir", "overwrite")}
-    heal_checkpoint(args.variant, args.output, **options)
+    heal_checkpoint(args.variant, args.output, overwrite=args.overwrite, **given(args, HealOptions))
 
 
 def _add_compare(commands) -> None:
-    from .experiment import Experiment
-
     parser = commands.add_parser(
         "compare",
         help="fine-tune variants through the Trainer and report",
-        description="Without --model or --config, the embedded default experiment (hf_normswap/data/default_experiment.yaml: "
-        "all-MiniLM-L6-v2 as post, pre, pre+heal and sandwich+heal on the shipped SST-2 sample) is the base that options "
-        "override.",
+        description="Without --model or --config, the embedded default experiment "
+        "(hf_normswap/data/default_experiment.yaml: all-MiniLM-L6-v2 as post, pre, pre+heal and sandwich+heal on the "
+        "shipped SST-2 sample) is the base that options override.",
     )
     parser.add_argument(
         "--config",
         help="a YAML or JSON experiment file, or the name of one shipped with the package (stability); "
         "options given here take precedence",
     )
-    for field in dataclasses.fields(Experiment):
-        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        option = f"--{field.name.replace('_', '-')}"
-        if field.type is bool:
-            parser.add_argument(option, dest=field.name, action=argparse.BooleanOptionalAction, help=f"default: {default}")
-        else:
-            parser.add_argument(option, dest=field.name, type=_option_type(field), help=f"default: {default}")
-
-
-def _option_type(field):
-    """How to read a command-line value for an `Experiment` field (lists are comma-separated; numbers in a list
-    are read, and checked, with the experiment)."""
-    if "list" in str(field.type):
-        return lambda text: text.split(",")
-    if "dict" in str(field.type):  # a YAML / JSON mapping, e.g. --heal "{max_steps: 100}"
-        return yaml.safe_load
-    for kind in (int, float):
-        if field.type is kind or kind in getattr(field.type, "__args__", ()):
-            return kind
-    return str
+    add_options(parser, Experiment)
 
 
 def _run_compare(args) -> None:
-    from .compare import run_comparison
-    from .experiment import DEFAULT_EXPERIMENT, Experiment
+    from .compare.comparison import run_comparison
+    from .compare.experiment import DEFAULT_EXPERIMENT
 
-    options = {field.name: getattr(args, field.name) for field in dataclasses.fields(Experiment)}
+    options = given(args, Experiment)
     base = args.config or (DEFAULT_EXPERIMENT if args.model is None else None)
-    if base:
-        experiment = Experiment.from_file(base, **options)
-    else:
-        experiment = Experiment(**{name: value for name, value in options.items() if value is not None})
+    experiment = Experiment.from_file(base, **options) if base else Experiment(**options)
     document = run_comparison(experiment)
     if document is not None:
         print(f"report: {Path(experiment.output) / 'report.md'}")
@@ -208,7 +179,9 @@ def _add_push(commands) -> None:
     parser.add_argument("--private", action="store_true")
     parser.add_argument("--revision", help="branch to push to (created if missing)")
     parser.add_argument("--commit-message")
-    parser.add_argument("--dry-run", metavar="DIR", help="write the exact folder that would be uploaded, upload nothing")
+    parser.add_argument(
+        "--dry-run", metavar="DIR", help="write the exact folder that would be uploaded, upload nothing"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --dry-run folder")
     parser.add_argument("--base-model", help="Hub id of the source (default: from conversion.json)")
     parser.add_argument("--license", help="default: the source's model card")
@@ -216,7 +189,7 @@ def _add_push(commands) -> None:
 
 
 def _run_push(args) -> None:
-    from .push import push
+    from .hub.push import push
 
     push(
         args.folder,
@@ -249,12 +222,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf-normswap` parser with every command."""
     parser = _Parser(prog="hf-normswap", description="Swap the layer-norm arrangement of pretrained weights.")
     commands = parser.add_subparsers(dest="command", required=True)
     for add, _ in COMMANDS.values():
         add(commands)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()  # the Trainer's own progress bars stay
     datasets.disable_progress_bars()

@@ -8,7 +8,7 @@ import numpy as np
 from datasets import ClassLabel, DatasetDict, load_dataset
 
 
-SAMPLE_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parent / "data"
 GLUE_TASKS = {"sst2": ("sentence", None), "rte": ("sentence1", "sentence2")}
 
 
@@ -42,7 +42,7 @@ def load_task(
     """
     text_only = label_column is None
     if task == "sst2-sample":
-        data, metric = _local(SAMPLE_DIR / "sst2"), "sst2"
+        data, metric = _local(DATA_DIR / "sst2"), "sst2"
         text_columns, label_column = GLUE_TASKS["sst2"][:1], "label"
     elif task in GLUE_TASKS:
         data, metric = _glue(task, data_dir), task
@@ -60,7 +60,9 @@ def load_task(
             raise ValueError(f"task {task!r}: the {split} split is empty")
         for column in text_columns if text_only else (*text_columns, label_column):
             if column not in data[split].column_names:
-                raise ValueError(f"task {task!r}: no column {column!r} in {split}; columns: {data[split].column_names}")
+                raise ValueError(
+                    f"task {task!r}: no column {column!r} in {split}; columns: {data[split].column_names}"
+                )
     if text_only:
         data = data.remove_columns([c for c in data["train"].column_names if c not in text_columns])
         return Task(Path(task).stem, data, tuple(text_columns), metric, 0)
@@ -77,7 +79,9 @@ def load_task(
 def unigram_loss(train_ids: list[list[int]], validation_ids: list[list[int]], vocab_size: int) -> float:
     """Cross-entropy on the validation targets (every token after the first) of the training tokens' frequencies
     (add-one smoothed): what a causal LM that ignores context reaches."""
-    counts = np.bincount(np.concatenate([np.asarray(ids[1:], dtype=np.int64) for ids in train_ids]), minlength=vocab_size)
+    counts = np.bincount(
+        np.concatenate([np.asarray(ids[1:], dtype=np.int64) for ids in train_ids]), minlength=vocab_size
+    )
     counts = counts + 1.0
     targets = np.concatenate([np.asarray(ids[1:], dtype=np.int64) for ids in validation_ids])
     return float(-np.log(counts[targets] / counts.sum()).mean())
@@ -88,7 +92,9 @@ def _glue(task: str, data_dir: str | None) -> DatasetDict:
     folder = data_dir or os.environ.get("HF_NORMSWAP_GLUE_DIR")
     if folder:
         if not (Path(folder) / task).is_dir():
-            raise ValueError(f"GLUE task {task!r}: no folder {Path(folder) / task} with train.jsonl and validation.jsonl")
+            raise ValueError(
+                f"GLUE task {task!r}: no folder {Path(folder) / task} with train.jsonl and validation.jsonl"
+            )
         return _local(Path(folder) / task)
     try:
         return load_dataset("nyu-mll/glue", task)

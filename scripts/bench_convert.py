@@ -58,8 +58,13 @@ def generate(folder: Path, gigabytes: float, shard_gigabytes: float) -> LlamaCon
     per_layer = (2 * hidden * hidden + 2 * hidden * hidden // 4 + 3 * hidden * intermediate) * 4
     layers = max(1, int((gigabytes * 1e9 - 2 * vocab * hidden * 4) // per_layer) + 1)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=12, num_key_value_heads=3, max_position_embeddings=2048,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
     )
     with torch.device("meta"):
         shapes = {name: tensor.shape for name, tensor in LlamaForCausalLM(config).state_dict().items()}
@@ -82,13 +87,17 @@ def generate(folder: Path, gigabytes: float, shard_gigabytes: float) -> LlamaCon
         save_file(shard, folder / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * 4 for shard in shards for t in shard.values())
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return config
 
 
 def measure(mode: str, source: Path, output: Path) -> dict:
     """Runs one mode in a fresh process, which times its own work after its imports."""
-    process = subprocess.run([sys.executable, "-c", WORKER, mode, str(source), str(output)], capture_output=True, text=True)
+    process = subprocess.run(
+        [sys.executable, "-c", WORKER, mode, str(source), str(output)], capture_output=True, text=True
+    )
     if process.returncode != 0:
         raise SystemExit(f"{mode} failed: {process.stderr.strip().splitlines()[-1]}")
     return json.loads(process.stdout.strip().splitlines()[-1])
@@ -108,13 +117,29 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     source = args.workdir / "source"
     # Generated in its own process, so that the measured processes do not inherit its peak memory.
-    subprocess.run([sys.executable, __file__, "--generate-only", "--workdir", str(args.workdir),
-                    "--gigabytes", str(args.gigabytes), "--shard-gigabytes", str(args.shard_gigabytes)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--generate-only",
+            "--workdir",
+            str(args.workdir),
+            "--gigabytes",
+            str(args.gigabytes),
+            "--shard-gigabytes",
+            str(args.shard_gigabytes),
+        ],
+        check=True,
+    )
     shards = sorted(source.glob("*.safetensors"))
     total, largest = sum(s.stat().st_size for s in shards) / 1e9, max(s.stat().st_size for s in shards) / 1e9
     print(f"checkpoint: {total:.2f} GB in {len(shards)} shards, largest {largest:.2f} GB")
 
-    names = {"plain": "plain safetensors load + save", "convert": "convert (no swap)", "swap": "convert (swap to post)"}
+    names = {
+        "plain": "plain safetensors load + save",
+        "convert": "convert (no swap)",
+        "swap": "convert (swap to post)",
+    }
     rounds = []
     for _ in range(args.repeats):  # interleaved, so that disk-cache effects fall on every mode alike
         rounds.append({})
@@ -122,13 +147,19 @@ def main() -> None:
             (args.workdir / mode).mkdir()
             rounds[-1][mode] = measure(mode, source, args.workdir / mode)
             shutil.rmtree(args.workdir / mode)
-    results = {mode: {key: statistics.median(r[mode][key] for r in rounds) for key in rounds[0][mode]} for mode in names}
+    results = {
+        mode: {key: statistics.median(r[mode][key] for r in rounds) for key in rounds[0][mode]} for mode in names
+    }
     plain_seconds = results["plain"]["seconds"]
     print(f"median of {args.repeats} interleaved runs")
-    print(f"{'run (work after imports)':32} {'seconds':>8} {'x plain':>8} {'peak GB':>8} {'(peak - imports) / largest shard':>33}")
+    print(
+        f"{'run (work after imports)':32} {'seconds':>8} {'x plain':>8} {'peak GB':>8} {'(peak - imports) / largest shard':>33}"
+    )
     for mode, result in results.items():
         peak, above = result["peak_kb"] * 1024 / 1e9, (result["peak_kb"] - result["imports_kb"]) * 1024 / 1e9
-        print(f"{names[mode]:32} {result['seconds']:8.1f} {result['seconds'] / plain_seconds:8.2f} {peak:8.2f} {above / largest:33.2f}")
+        print(
+            f"{names[mode]:32} {result['seconds']:8.1f} {result['seconds'] / plain_seconds:8.2f} {peak:8.2f} {above / largest:33.2f}"
+        )
     shutil.rmtree(args.workdir, ignore_errors=True)
 
 

@@ -35,7 +35,7 @@ from transformers import (
 from transformers.utils import logging as transformers_logging
 
 from hf_normswap import DataCollatorWithPacking, convert_checkpoint
-from hf_normswap.compare import default_model
+from hf_normswap.compare.comparison import default_model
 from hf_normswap.tasks import load_task
 
 
@@ -66,10 +66,16 @@ class Run:
     """One model with its optimizer, stepping through the collated batches."""
 
     def __init__(self, name, model, collator, batches, args):
-        self.name, self.model, self.args = name, model.to(device=args.device, dtype=getattr(torch, args.dtype)).train(), args
+        self.name, self.model, self.args = (
+            name,
+            model.to(device=args.device, dtype=getattr(torch, args.dtype)).train(),
+            args,
+        )
         self.batches = [to_device(collator(batch), args.device) for batch in batches]
         optimizer_class, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(
-            TrainingArguments(output_dir=tempfile.mkdtemp(), learning_rate=2e-5, report_to=[], use_cpu=args.device == "cpu")
+            TrainingArguments(
+                output_dir=tempfile.mkdtemp(), learning_rate=2e-5, report_to=[], use_cpu=args.device == "cpu"
+            )
         )
         self.optimizer = optimizer_class(self.model.parameters(), **optimizer_kwargs)
         self.speeds = []
@@ -109,7 +115,12 @@ def check_packing(normswap, tokenizer, batch, device) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="BERT-family checkpoint (default: the embedded all-MiniLM-L6-v2)")
-    parser.add_argument("--glue-dir", type=Path, default=os.environ.get("HF_NORMSWAP_GLUE_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data" / "glue")
+    parser.add_argument(
+        "--glue-dir",
+        type=Path,
+        default=os.environ.get("HF_NORMSWAP_GLUE_DIR")
+        or Path(__file__).resolve().parents[2] / "shared" / "data" / "glue",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--attn-implementation", default="sdpa")
@@ -130,15 +141,21 @@ def main() -> None:
 
     def native():
         torch.manual_seed(0)
-        return BertForSequenceClassification.from_pretrained(source, num_labels=2, attn_implementation=args.attn_implementation)
+        return BertForSequenceClassification.from_pretrained(
+            source, num_labels=2, attn_implementation=args.attn_implementation
+        )
 
     def normswap():
         torch.manual_seed(0)
-        return AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2, attn_implementation=args.attn_implementation)
+        return AutoModelForSequenceClassification.from_pretrained(
+            folder, num_labels=2, attn_implementation=args.attn_implementation
+        )
 
     padding, packing = DataCollatorWithPadding(tokenizer), DataCollatorWithPacking(tokenizer.pad_token_id)
-    print(f"device={args.device} dtype={args.dtype} attn={args.attn_implementation} threads={torch.get_num_threads()} "
-          f"batch={args.batch_size} max_length={args.max_length} batches={args.batches} repeats={args.repeats}")
+    print(
+        f"device={args.device} dtype={args.dtype} attn={args.attn_implementation} threads={torch.get_num_threads()} "
+        f"batch={args.batch_size} max_length={args.max_length} batches={args.batches} repeats={args.repeats}"
+    )
     for name, task in tasks(args.glue_dir):
         data = batches(task, tokenizer, args)
         real = sum(len(example["input_ids"]) for batch in data for example in batch)
@@ -160,16 +177,22 @@ def main() -> None:
         for _ in range(args.repeats):
             for run in runs:
                 run.speeds.append(run.epoch())
-        print(f"\n{name}: {len(data)} batches, real tokens {real / padded_tokens:.0%} of padded, "
-              f"{real / packed_tokens:.0%} of packed; packed vs padded logits max |difference| {difference:.1e}")
+        print(
+            f"\n{name}: {len(data)} batches, real tokens {real / padded_tokens:.0%} of padded, "
+            f"{real / packed_tokens:.0%} of packed; packed vs padded logits max |difference| {difference:.1e}"
+        )
         print(f"{'run':32} {'examples/s':>10} {'min':>7} {'max':>7} {'x native':>9}")
         reference = statistics.median(runs[0].speeds)
         for run in runs:
             speed = statistics.median(run.speeds)
-            print(f"{run.name:32} {speed:10.1f} {min(run.speeds):7.1f} {max(run.speeds):7.1f} {speed / reference:9.2f}")
+            print(
+                f"{run.name:32} {speed:10.1f} {min(run.speeds):7.1f} {max(run.speeds):7.1f} {speed / reference:9.2f}"
+            )
         if args.compile:
-            print(f"{'compiled packed / compiled native':32} {'':10} {'':7} {'':7} "
-                  f"{statistics.median(runs[4].speeds) / statistics.median(runs[3].speeds):9.2f}")
+            print(
+                f"{'compiled packed / compiled native':32} {'':10} {'':7} {'':7} "
+                f"{statistics.median(runs[4].speeds) / statistics.median(runs[3].speeds):9.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
 
 from hf_normswap import NormSwapModel
-from hf_normswap.families import family_of, normswap_config
+from hf_normswap.convert.families import family_of, normswap_config
 
 
 def converted(native) -> NormSwapModel:
@@ -66,7 +66,10 @@ def compare(name, native, args) -> list[tuple[str, str, float, float, float]]:
     attention_mask[: args.batch_size // 2, -args.seq_length // 4 :] = 0
     input_ids, attention_mask = input_ids.to(args.device), attention_mask.to(args.device)
     with torch.no_grad():
-        same = (native(input_ids, attention_mask=attention_mask).last_hidden_state.float() - ours(input_ids, attention_mask=attention_mask).last_hidden_state.float())
+        same = (
+            native(input_ids, attention_mask=attention_mask).last_hidden_state.float()
+            - ours(input_ids, attention_mask=attention_mask).last_hidden_state.float()
+        )
     rows = []
     for mode, train in (("train step", True), ("inference", False)):
         native_runs, ours_runs = [], []
@@ -113,11 +116,16 @@ def main() -> None:
         attn_implementation=args.attn_implementation,
     )
     rows = []
-    for name, native in (("BertModel (post, absolute, layernorm)", bert), ("LlamaModel (pre, rope, rmsnorm, SwiGLU, GQA)", llama)):
+    for name, native in (
+        ("BertModel (post, absolute, layernorm)", bert),
+        ("LlamaModel (pre, rope, rmsnorm, SwiGLU, GQA)", llama),
+    ):
         rows += compare(name, native.to(device=args.device, dtype=dtype), args)
 
-    print(f"\ndevice={args.device} dtype={args.dtype} attn={args.attn_implementation} hidden={args.hidden_size} "
-          f"layers={args.layers} batch={args.batch_size} seq={args.seq_length} (median of {args.repeats})")
+    print(
+        f"\ndevice={args.device} dtype={args.dtype} attn={args.attn_implementation} hidden={args.hidden_size} "
+        f"layers={args.layers} batch={args.batch_size} seq={args.seq_length} (median of {args.repeats})"
+    )
     print(f"{'native model':46} {'mode':11} {'native tok/s':>13} {'normswap tok/s':>15} {'ratio':>6}")
     for name, mode, native_speed, ours_speed, ratio in rows:
         print(f"{name:46} {mode:11} {native_speed:13.0f} {ours_speed:15.0f} {ratio:6.3f}")

@@ -1,6 +1,6 @@
 """Convert a BERT, RoBERTa or XLM-RoBERTa checkpoint to NormSwap (HF-style entry point of `hf-normswap convert`).
 
-    python scripts/convert_bert_to_normswap.py bert-base-uncased ./bert-pre --norm-placement pre
+python scripts/convert_bert_to_normswap.py bert-base-uncased ./bert-pre --norm-placement pre
 """
 
 import sys

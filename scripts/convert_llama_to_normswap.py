@@ -1,6 +1,6 @@
 """Convert a Llama, Mistral, Qwen2 or Qwen3 checkpoint to NormSwap (HF-style entry point of `hf-normswap convert`).
 
-    python scripts/convert_llama_to_normswap.py meta-llama/Llama-3.2-1B ./llama-encoder
+python scripts/convert_llama_to_normswap.py meta-llama/Llama-3.2-1B ./llama-encoder
 """
 
 import sys

@@ -6,8 +6,7 @@ import torch
 
 from hf_normswap import NormSwapConfig, NormSwapForCausalLM, NormSwapModel
 
-from conftest import padded_batch, tiny_config
-from sources import save_source
+from helpers import padded_batch, save_source, tiny_config
 
 
 SLIDING = ["sliding_attention", "full_attention"]
@@ -22,7 +21,10 @@ def test_defaults_are_all_full_attention():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(layer_types=["full_attention"]), "layer_types=\\['full_attention'\\] .*one value for each of the 2 layers"),
+        (
+            dict(layer_types=["full_attention"]),
+            "layer_types=\\['full_attention'\\] .*one value for each of the 2 layers",
+        ),
         (dict(layer_types=["local", "full_attention"]), "layer_types='local' .*allowed types"),
         (dict(layer_types=SLIDING), "sliding_window=None .*'sliding_attention' layers need a window"),
         (dict(layer_types=SLIDING, sliding_window=0), "sliding_window=0 .*positive integer"),
@@ -43,8 +45,10 @@ def test_bad_attention_fields_are_named(fields, message):
 
 
 def test_rope_per_layer_type_round_trips(tmp_path):
-    rope = {"full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 2.0},
-            "sliding_attention": {"rope_theta": 1e4}}
+    rope = {
+        "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 2.0},
+        "sliding_attention": {"rope_theta": 1e4},
+    }
     config = tiny_config(position_embedding_type="rope", layer_types=SLIDING, sliding_window=3, rope_parameters=rope)
     assert config.rope_parameters["sliding_attention"] == {"rope_theta": 1e4, "rope_type": "default"}
     config.save_pretrained(tmp_path)
@@ -66,12 +70,19 @@ def _band_mask(attention_mask, window, causal):
 def test_sliding_window_layers_use_transformers_semantics(is_causal, implementation):
     window = 3
     sliding = tiny_config(
-        layer_types=["sliding_attention"] * 2, sliding_window=window, is_causal=is_causal,
-        position_embedding_type="rope", norm_placement="pre", attn_implementation=implementation,
+        layer_types=["sliding_attention"] * 2,
+        sliding_window=window,
+        is_causal=is_causal,
+        position_embedding_type="rope",
+        norm_placement="pre",
+        attn_implementation=implementation,
     )
     model = NormSwapModel(sliding).eval()
-    full = NormSwapModel(tiny_config(**{**sliding.to_diff_dict(), "layer_types": None, "sliding_window": None,
-                                        "attn_implementation": "eager"})).eval()
+    full = NormSwapModel(
+        tiny_config(
+            **{**sliding.to_diff_dict(), "layer_types": None, "sliding_window": None, "attn_implementation": "eager"}
+        )
+    ).eval()
     full.load_state_dict(model.state_dict())
     input_ids, attention_mask = padded_batch(lengths=(12, 8))
     with torch.no_grad():
@@ -84,8 +95,13 @@ def test_sliding_window_layers_use_transformers_semantics(is_causal, implementat
 
 
 def test_tokens_beyond_the_window_have_no_influence_in_one_layer():
-    config = tiny_config(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=2,
-                         position_embedding_type="rope", norm_placement="pre")
+    config = tiny_config(
+        num_hidden_layers=1,
+        layer_types=["sliding_attention"],
+        sliding_window=2,
+        position_embedding_type="rope",
+        norm_placement="pre",
+    )
     model = NormSwapModel(config).eval()
     input_ids, _ = padded_batch(lengths=(10,))
     changed = input_ids.clone()
@@ -98,10 +114,21 @@ def test_tokens_beyond_the_window_have_no_influence_in_one_layer():
 
 def test_rope_per_layer_type_matches_flat_when_equal_and_differs_otherwise():
     flat = tiny_config(position_embedding_type="rope", layer_types=SLIDING, sliding_window=4)
-    same = tiny_config(**{**flat.to_diff_dict(), "rope_parameters": {
-        "full_attention": {"rope_theta": 10000.0}, "sliding_attention": {"rope_theta": 10000.0}}})
-    other = tiny_config(**{**flat.to_diff_dict(), "rope_parameters": {
-        "full_attention": {"rope_theta": 10000.0}, "sliding_attention": {"rope_theta": 10.0}}})
+    same = tiny_config(
+        **{
+            **flat.to_diff_dict(),
+            "rope_parameters": {
+                "full_attention": {"rope_theta": 10000.0},
+                "sliding_attention": {"rope_theta": 10000.0},
+            },
+        }
+    )
+    other = tiny_config(
+        **{
+            **flat.to_diff_dict(),
+            "rope_parameters": {"full_attention": {"rope_theta": 10000.0}, "sliding_attention": {"rope_theta": 10.0}},
+        }
+    )
     models = [NormSwapModel(config).eval() for config in (flat, same, other)]
     for model in models[1:]:
         model.load_state_dict(models[0].state_dict())
@@ -118,13 +145,28 @@ def test_rope_per_layer_type_matches_flat_when_equal_and_differs_otherwise():
 def test_mistral_sliding_window_is_exact_beyond_the_window(tmp_path, implementation):
     native = save_source(tmp_path / "source", "mistral", "ForCausalLM", tokenizer=False, sliding_window=4)
     native = type(native).from_pretrained(tmp_path / "source", attn_implementation=implementation).eval()
-    ours = NormSwapForCausalLM(tiny_config(
-        vocab_size=64, intermediate_size=64, num_key_value_heads=2, norm_placement="pre", norm_type="rmsnorm",
-        norm_eps=native.config.rms_norm_eps, position_embedding_type="rope", is_causal=True, attention_bias=False,
-        mlp_type="glu", hidden_act="silu", mlp_bias=False, type_vocab_size=0, tie_word_embeddings=False,
-        layer_types=["sliding_attention"] * 2, sliding_window=4, attn_implementation=implementation,
-    )).eval()
-    from hf_normswap.families import LLAMA
+    ours = NormSwapForCausalLM(
+        tiny_config(
+            vocab_size=64,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            norm_placement="pre",
+            norm_type="rmsnorm",
+            norm_eps=native.config.rms_norm_eps,
+            position_embedding_type="rope",
+            is_causal=True,
+            attention_bias=False,
+            mlp_type="glu",
+            hidden_act="silu",
+            mlp_bias=False,
+            type_vocab_size=0,
+            tie_word_embeddings=False,
+            layer_types=["sliding_attention"] * 2,
+            sliding_window=4,
+            attn_implementation=implementation,
+        )
+    ).eval()
+    from hf_normswap.convert.families import LLAMA
 
     state = {LLAMA.rename(name): tensor for name, tensor in native.state_dict().items()}
     ours.load_state_dict({name: tensor for name, tensor in state.items() if name is not None})
@@ -136,23 +178,38 @@ def test_mistral_sliding_window_is_exact_beyond_the_window(tmp_path, implementat
 
 
 def test_rope_per_layer_type_reloads_exactly(tmp_path):
-    rope = {"full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 2.0},
-            "sliding_attention": {"rope_theta": 1e4}}
-    config = tiny_config(position_embedding_type="rope", layer_types=SLIDING, sliding_window=3, rope_parameters=rope,
-                         is_causal=True, norm_placement="pre")
+    rope = {
+        "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 2.0},
+        "sliding_attention": {"rope_theta": 1e4},
+    }
+    config = tiny_config(
+        position_embedding_type="rope",
+        layer_types=SLIDING,
+        sliding_window=3,
+        rope_parameters=rope,
+        is_causal=True,
+        norm_placement="pre",
+    )
     model = NormSwapForCausalLM(config).eval()
     model.save_pretrained(tmp_path)
     loaded = NormSwapForCausalLM.from_pretrained(tmp_path).eval()  # frequency buffers are not saved: recomputed
     input_ids, attention_mask = padded_batch()
     with torch.no_grad():
-        assert torch.equal(model(input_ids, attention_mask=attention_mask).logits,
-                           loaded(input_ids, attention_mask=attention_mask).logits)
+        assert torch.equal(
+            model(input_ids, attention_mask=attention_mask).logits,
+            loaded(input_ids, attention_mask=attention_mask).logits,
+        )
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_packed_batches_compose_with_sliding_windows(is_causal):
-    config = tiny_config(layer_types=SLIDING, sliding_window=2, is_causal=is_causal, position_embedding_type="rope",
-                         norm_placement="pre")
+    config = tiny_config(
+        layer_types=SLIDING,
+        sliding_window=2,
+        is_causal=is_causal,
+        position_embedding_type="rope",
+        norm_placement="pre",
+    )
     model = NormSwapModel(config).eval()
     first, second = torch.arange(3, 10)[None], torch.arange(20, 25)[None]
     packed = torch.cat([first, second], dim=1)

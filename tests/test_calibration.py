@@ -6,13 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from hf_normswap import NormSwapModel, convert_checkpoint
-from hf_normswap import calibration
-from hf_normswap.calibration import _median_ratio, _refit, calibrate_writes
 from hf_normswap.cli import main as cli
-from hf_normswap.collapse import probe_batches, probe_tokenizer
+from hf_normswap.convert import calibration
+from hf_normswap.convert.calibration import _median_ratio, _refit, calibrate_writes
+from hf_normswap.probes.probe_data import probe_batches, probe_tokenizer
 
-from sources import save_source
-from test_convert import tensors
+from helpers import save_source, tensors
 
 
 def quiet(*args, **kwargs):
@@ -36,7 +35,9 @@ def test_calibrated_post_to_pre_keeps_more_of_the_function(tmp_path, placement):
     assert plain["calibration"] is None
     record = calibrated["calibration"]
     assert "SST-2 training sample" in record["data"]
-    assert sorted(record["write_scales"]) == [f"layers.{i}.{s}" for i in range(2) for s in ("attention_norms", "mlp_norms")]
+    assert sorted(record["write_scales"]) == [
+        f"layers.{i}.{s}" for i in range(2) for s in ("attention_norms", "mlp_norms")
+    ]
 
     # Held-out text (the validation sample; calibration used training sentences).
     batch = probe_batches(probe_tokenizer(tmp_path / "bert"), 0, size=32, batch_size=32)[0]
@@ -47,13 +48,19 @@ def test_calibrated_post_to_pre_keeps_more_of_the_function(tmp_path, placement):
     # Only the writes changed: a pre layer's output projections (refitted), or a sandwich layer's branch norm (a
     # uniform gain, the source norm's bias scaled).
     ours, theirs = tensors(tmp_path / "calibrated"), tensors(tmp_path / "plain")
-    writes = ("self_attn.o_proj", "mlp.down_proj") if placement == "pre" else ("attention_norms.output_norm", "mlp_norms.output_norm")
+    writes = (
+        ("self_attn.o_proj", "mlp.down_proj")
+        if placement == "pre"
+        else ("attention_norms.output_norm", "mlp_norms.output_norm")
+    )
     expected = sorted(f"layers.{i}.{module}" for i in range(2) for module in writes)
     assert sorted({name.rsplit(".", 1)[0] for name in ours if not torch.equal(ours[name], theirs[name])}) == expected
     assert sorted(record["modules"]) == expected
     if placement == "pre":
         # Every write refitted, each nearer its target than the scaled write; and refitting beats scaling alone.
-        assert sorted(record["refit_errors"]) == sorted(record["write_scales"]) and record["ridge"] == calibration.RIDGE
+        assert (
+            sorted(record["refit_errors"]) == sorted(record["write_scales"]) and record["ridge"] == calibration.RIDGE
+        )
         assert all(after < before for before, after in record["refit_errors"].values()), record["refit_errors"]
         scaled = scaled_only(tmp_path / "plain", record["write_scales"])
         with torch.no_grad():
@@ -77,13 +84,23 @@ def scaled_only(folder, write_scales):
     model = NormSwapModel.from_pretrained(folder).eval()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     batch = probe_batches(probe_tokenizer(folder), 0, size=704, batch_size=704, split="train")[0]
-    sublayers = {f"layers.{i}.{s}": f"layers.{i}.{m}" for i in range(2) for s, m in (("attention_norms", "self_attn.o_proj"), ("mlp_norms", "mlp.down_proj"))}
+    sublayers = {
+        f"layers.{i}.{s}": f"layers.{i}.{m}"
+        for i in range(2)
+        for s, m in (("attention_norms", "self_attn.o_proj"), ("mlp_norms", "mlp.down_proj"))
+    }
     scales, errors = calibrate_writes(model, sublayers, batch)
     assert scales["layers.0.attention_norms"] == pytest.approx(write_scales["layers.0.attention_norms"], rel=1e-5)
     assert errors == {} and sorted(scales) == sorted(write_scales)
     scale, source_bias = scales["layers.1.attention_norms"], before["layers.1.attention_norms.input_norm.bias"]
-    assert torch.allclose(model.layers[1].self_attn.o_proj.weight, scale * before["layers.1.self_attn.o_proj.weight"], atol=1e-7)
-    assert torch.allclose(model.layers[1].self_attn.o_proj.bias, scale * (before["layers.1.self_attn.o_proj.bias"] + source_bias), atol=1e-7)
+    assert torch.allclose(
+        model.layers[1].self_attn.o_proj.weight, scale * before["layers.1.self_attn.o_proj.weight"], atol=1e-7
+    )
+    assert torch.allclose(
+        model.layers[1].self_attn.o_proj.bias,
+        scale * (before["layers.1.self_attn.o_proj.bias"] + source_bias),
+        atol=1e-7,
+    )
     return model
 
 
@@ -126,11 +143,15 @@ def test_calibration_keeps_the_shards_dtype(tmp_path):
     ours, theirs = tensors(tmp_path / "half"), tensors(tmp_path / "full")
     assert {t.dtype for t in ours.values()} == {torch.float16}
     name = "model.layers.0.mlp.down_proj.weight"
-    assert not torch.equal(ours[name].float(), tensors(tmp_path / "bert")["bert.encoder.layer.0.output.dense.weight"].half().float())
+    assert not torch.equal(
+        ours[name].float(), tensors(tmp_path / "bert")["bert.encoder.layer.0.output.dense.weight"].half().float()
+    )
     assert torch.allclose(ours[name].float(), theirs[name], rtol=1e-2, atol=1e-4)
 
 
-@pytest.mark.parametrize("swap", [dict(), dict(norm_placement="deepnorm"), dict(norm_placement="pre", norm_mapping="reset")])
+@pytest.mark.parametrize(
+    "swap", [dict(), dict(norm_placement="deepnorm"), dict(norm_placement="pre", norm_mapping="reset")]
+)
 def test_no_calibration_where_no_write_norm_becomes_a_read(tmp_path, swap):
     save_source(tmp_path / "bert", "bert", "Model")
     assert quiet(str(tmp_path / "bert"), str(tmp_path / "out"), **swap)["calibration"] is None

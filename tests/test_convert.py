@@ -10,19 +10,10 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, OPTConf
 from hf_normswap import NormSwapConfig, convert_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.convert import ConversionError, load_unswapped
-from hf_normswap.heads import HEAD_CLASSES
-from hf_normswap.swap_effect import SENTENCES
+from hf_normswap.model.heads import HEAD_CLASSES
+from hf_normswap.probes.probe_data import SENTENCES
 
-from sources import save_source
-
-
-def tensors(folder):
-    """All tensors of a checkpoint folder, by name."""
-    state = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            state.update(load_file(folder / name))
-    return state
+from helpers import save_source, tensors
 
 
 def no_leftovers(parent, output):
@@ -72,7 +63,10 @@ def test_conversion_without_swap_is_exact(tmp_path, model_type, suffix, head):
     causal = model_type in ("llama", "mistral", "qwen2", "qwen3")
     lines = []
     report = convert_checkpoint(
-        str(tmp_path / "source"), str(tmp_path / "out"), attention="causal" if causal else "bidirectional", log=lines.append
+        str(tmp_path / "source"),
+        str(tmp_path / "out"),
+        attention="causal" if causal else "bidirectional",
+        log=lines.append,
     )
     assert report["head"] == head
     assert report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
@@ -92,12 +86,19 @@ def test_conversion_without_swap_is_exact(tmp_path, model_type, suffix, head):
     assert (difference[real] if difference.shape[:2] == real.shape else difference).max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("model_type, suffix, head", [("bert", "ForMaskedLM", "masked-lm"), ("llama", "Model", "base")])
+@pytest.mark.parametrize(
+    "model_type, suffix, head", [("bert", "ForMaskedLM", "masked-lm"), ("llama", "Model", "base")]
+)
 def test_unswapped_source_computes_what_the_source_computes(tmp_path, model_type, suffix, head):
     """The model `heal` teaches with: the source as NormSwap without a swap (a NormSwap folder as itself), in its own
     attention, padded or padding-free."""
     native = save_source(tmp_path / "source", model_type, suffix)
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "ns"), attention="causal" if model_type == "llama" else None, log=lambda _: None)
+    convert_checkpoint(
+        str(tmp_path / "source"),
+        str(tmp_path / "ns"),
+        attention="causal" if model_type == "llama" else None,
+        log=lambda _: None,
+    )
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ns")
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt", return_token_type_ids=False)
     real = batch["attention_mask"].bool()
@@ -129,14 +130,22 @@ def test_llama_becomes_bidirectional_but_verifies_in_causal_mode(tmp_path):
 
 def test_post_to_pre_shift_moves_norms_tensor_by_tensor(tmp_path):
     save_source(tmp_path / "source", "bert", "ForMaskedLM")
-    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="pre", log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="pre", log=lambda _: None
+    )
     source, out = tensors(tmp_path / "source"), tensors(tmp_path / "out")
     layer = "bert.encoder.layer.{}.{}.LayerNorm.{}"
     for p in ("weight", "bias"):
-        assert torch.equal(out[f"model.layers.0.attention_norms.input_norm.{p}"], source[f"bert.embeddings.LayerNorm.{p}"])
-        assert torch.equal(out[f"model.layers.0.mlp_norms.input_norm.{p}"], source[layer.format(0, "attention.output", p)])
+        assert torch.equal(
+            out[f"model.layers.0.attention_norms.input_norm.{p}"], source[f"bert.embeddings.LayerNorm.{p}"]
+        )
+        assert torch.equal(
+            out[f"model.layers.0.mlp_norms.input_norm.{p}"], source[layer.format(0, "attention.output", p)]
+        )
         assert torch.equal(out[f"model.layers.1.attention_norms.input_norm.{p}"], source[layer.format(0, "output", p)])
-        assert torch.equal(out[f"model.layers.1.mlp_norms.input_norm.{p}"], source[layer.format(1, "attention.output", p)])
+        assert torch.equal(
+            out[f"model.layers.1.mlp_norms.input_norm.{p}"], source[layer.format(1, "attention.output", p)]
+        )
         assert torch.equal(out[f"model.norm.{p}"], source[layer.format(1, "output", p)])
     assert not any("residual_norm" in name or "embeddings.norm" in name for name in out)
     assert report["swap_effect"]["metric"] == "masked_lm_loss"
@@ -148,7 +157,9 @@ def test_pre_to_post_shift_is_the_inverse(tmp_path):
     convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="post", log=lambda _: None)
     source, out = tensors(tmp_path / "source"), tensors(tmp_path / "out")
     assert torch.equal(out["embeddings.norm.weight"], source["model.layers.0.input_layernorm.weight"])
-    assert torch.equal(out["layers.0.attention_norms.residual_norm.weight"], source["model.layers.0.post_attention_layernorm.weight"])
+    assert torch.equal(
+        out["layers.0.attention_norms.residual_norm.weight"], source["model.layers.0.post_attention_layernorm.weight"]
+    )
     assert torch.equal(out["layers.0.mlp_norms.residual_norm.weight"], source["model.layers.1.input_layernorm.weight"])
     assert torch.equal(out["layers.1.mlp_norms.residual_norm.weight"], source["model.norm.weight"])
     assert "norm.weight" not in out
@@ -157,15 +168,25 @@ def test_pre_to_post_shift_is_the_inverse(tmp_path):
 def test_keep_and_reset_mappings(tmp_path):
     save_source(tmp_path / "source", "bert", "Model")
     source = tensors(tmp_path / "source")
-    keep = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "keep"), norm_placement="pre", norm_mapping="keep", log=lambda _: None)
+    keep = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "keep"), norm_placement="pre", norm_mapping="keep", log=lambda _: None
+    )
     out = tensors(tmp_path / "keep")
-    assert torch.equal(out["layers.1.attention_norms.input_norm.weight"], source["encoder.layer.1.attention.output.LayerNorm.weight"])
+    assert torch.equal(
+        out["layers.1.attention_norms.input_norm.weight"], source["encoder.layer.1.attention.output.LayerNorm.weight"]
+    )
     assert torch.equal(out["layers.1.mlp_norms.input_norm.bias"], source["encoder.layer.1.output.LayerNorm.bias"])
     assert torch.equal(out["norm.weight"], torch.ones(32)) and torch.equal(out["norm.bias"], torch.zeros(32))
     assert "norm.weight (identity)" in keep["weights"]["initialized"]
     assert any(entry.startswith("embeddings.LayerNorm.weight") for entry in keep["weights"]["dropped"])
 
-    reset = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "reset"), norm_placement="sandwich", norm_mapping="reset", log=lambda _: None)
+    reset = convert_checkpoint(
+        str(tmp_path / "source"),
+        str(tmp_path / "reset"),
+        norm_placement="sandwich",
+        norm_mapping="reset",
+        log=lambda _: None,
+    )
     out = tensors(tmp_path / "reset")
     norms = [name for name in out if "_norm." in name or name.startswith("norm.")]
     assert len(norms) == 2 * (2 * 2 * 2 + 1)
@@ -177,12 +198,16 @@ def test_keep_and_reset_mappings(tmp_path):
 def test_position_swaps_drop_and_initialize_tables(tmp_path):
     save_source(tmp_path / "bert", "bert", "ForMaskedLM")
     for position in ("rope", "alibi", "sinusoidal", "none"):
-        report = convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / position), position_embedding_type=position, log=lambda _: None)
+        report = convert_checkpoint(
+            str(tmp_path / "bert"), str(tmp_path / position), position_embedding_type=position, log=lambda _: None
+        )
         assert any(e.startswith("bert.embeddings.position_embeddings.weight") for e in report["weights"]["dropped"])
         assert not any("position_embeddings" in name for name in tensors(tmp_path / position))
         assert NormSwapConfig.from_pretrained(tmp_path / position).position_embedding_type == position
     save_source(tmp_path / "llama", "llama", "ForCausalLM")
-    report = convert_checkpoint(str(tmp_path / "llama"), str(tmp_path / "absolute"), position_embedding_type="absolute", log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "llama"), str(tmp_path / "absolute"), position_embedding_type="absolute", log=lambda _: None
+    )
     assert report["weights"]["initialized"] == ["embeddings.position_embeddings.weight (normal, std 0.02)"]
     table = tensors(tmp_path / "absolute")["embeddings.position_embeddings.weight"]
     assert table.shape == (64, 32) and 0.015 < table.std().item() < 0.025
@@ -228,7 +253,9 @@ def test_sharded_source_gives_sharded_output_and_dtype(tmp_path):
     for name in os.listdir(tmp_path / "plain"):
         if "token" in name:
             (tmp_path / "sharded" / name).write_bytes((tmp_path / "plain" / name).read_bytes())
-    report = convert_checkpoint(str(tmp_path / "sharded"), str(tmp_path / "out"), attention="causal", dtype="bfloat16", log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "sharded"), str(tmp_path / "out"), attention="causal", dtype="bfloat16", log=lambda _: None
+    )
     assert report["weights"]["files"][-1] == "model.safetensors.index.json" and len(report["weights"]["files"]) > 2
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(tensors(tmp_path / "out"))
@@ -239,14 +266,26 @@ def test_sharded_source_gives_sharded_output_and_dtype(tmp_path):
 
 # Bad input: one-line errors, nothing left on disk.
 
+
 def test_unsupported_architecture_is_refused(tmp_path, capsys):
-    OPTModel(OPTConfig(num_hidden_layers=1, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=64,
-                       word_embed_proj_dim=32)).save_pretrained(tmp_path / "opt")
+    OPTModel(
+        OPTConfig(
+            num_hidden_layers=1,
+            hidden_size=32,
+            ffn_dim=64,
+            num_attention_heads=4,
+            vocab_size=64,
+            word_embed_proj_dim=32,
+        )
+    ).save_pretrained(tmp_path / "opt")
     capsys.readouterr()
     assert cli(["convert", str(tmp_path / "opt"), str(tmp_path / "out")]) == 1
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1
-    assert "model_type 'opt' is not supported; supported model types: bert, roberta, xlm-roberta, llama, mistral, qwen2, qwen3, gpt2" in error
+    assert (
+        "model_type 'opt' is not supported; supported model types: bert, roberta, xlm-roberta, llama, mistral, qwen2, qwen3, gpt2"
+        in error
+    )
     no_leftovers(tmp_path, tmp_path / "out")
 
 
@@ -292,8 +331,14 @@ def _edit_weights(folder, edit):
     "edit, message",
     [
         (lambda s: s.pop("encoder.layer.1.intermediate.dense.weight"), "no tensor for 'layers.1.mlp.up_proj.weight'"),
-        (lambda s: s.update({"encoder.layer.0.extra.weight": torch.zeros(2)}), "unexpected tensor 'encoder.layer.0.extra.weight'"),
-        (lambda s: s.update({"encoder.layer.0.output.dense.weight": torch.zeros(32, 8)}), "tensor 'encoder.layer.0.output.dense.weight' has shape \\(32, 8\\), expected \\(32, 64\\)"),
+        (
+            lambda s: s.update({"encoder.layer.0.extra.weight": torch.zeros(2)}),
+            "unexpected tensor 'encoder.layer.0.extra.weight'",
+        ),
+        (
+            lambda s: s.update({"encoder.layer.0.output.dense.weight": torch.zeros(32, 8)}),
+            "tensor 'encoder.layer.0.output.dense.weight' has shape \\(32, 8\\), expected \\(32, 64\\)",
+        ),
     ],
     ids=["missing", "unexpected", "wrong-shape"],
 )
@@ -321,7 +366,7 @@ def test_truncated_file_is_named(tmp_path, capsys):
 
 def test_failed_verification_leaves_nothing(tmp_path, monkeypatch, capsys):
     save_source(tmp_path / "source", "bert", "ForMaskedLM")
-    monkeypatch.setattr("hf_normswap.convert.HIDDEN_TOLERANCE", -1.0)
+    monkeypatch.setattr("hf_normswap.convert.converter.HIDDEN_TOLERANCE", -1.0)
     assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out")]) == 1
     assert "verification failed" in capsys.readouterr().err
     no_leftovers(tmp_path, tmp_path / "out")
@@ -410,18 +455,25 @@ def test_distilbert_sinusoidal_table_converts_exactly(tmp_path):
     table = native.distilbert.embeddings.position_embeddings.weight
     assert torch.allclose(table[1, 0::2], torch.sin(torch.tensor(1.0) / 10000 ** (torch.arange(0, 32, 2) / 32)))
     report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
-    assert report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5 and report["measured"]["logits_max_abs_diff"] <= 1e-4
+    assert (
+        report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
+        and report["measured"]["logits_max_abs_diff"] <= 1e-4
+    )
     assert torch.equal(tensors(tmp_path / "out")["model.embeddings.position_embeddings.weight"], table)
 
 
 def test_electra_projected_embeddings_keep_their_norm_under_a_swap(tmp_path):
     save_source(tmp_path / "source", "electra", "Model")
-    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "pre"), norm_placement="pre", log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "pre"), norm_placement="pre", log=lambda _: None
+    )
     config = NormSwapConfig.from_pretrained(tmp_path / "pre")
     assert config.embedding_size == 16 and config.embedding_norm and config.final_norm
     assert report["norm_sources"]["model.embeddings.norm"] == "model.embeddings.norm"
     assert report["norm_sources"]["model.layers.0.attention_norms.input_norm"] is None  # nothing at point 0
-    assert report["norm_sources"]["model.layers.1.attention_norms.input_norm"] == "model.layers.0.mlp_norms.residual_norm"
+    assert (
+        report["norm_sources"]["model.layers.1.attention_norms.input_norm"] == "model.layers.0.mlp_norms.residual_norm"
+    )
     source, out = tensors(tmp_path / "source"), tensors(tmp_path / "pre")
     assert torch.equal(out["embeddings.norm.weight"], source["embeddings.LayerNorm.weight"])
     assert torch.equal(out["embeddings.projection.weight"], source["embeddings_project.weight"])
@@ -444,9 +496,16 @@ def test_converted_encoder_is_padding_invariant(tmp_path, model_type):
 
 def test_modernbert_local_layers_slide_beyond_the_window(tmp_path):
     """Global and local layers with their own rope theta, on padded sequences 10x the window of 4 tokens each side."""
-    native = save_source(tmp_path / "source", "modernbert", "ForMaskedLM", tokenizer=False,
-                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160_000.0},
-                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    native = save_source(
+        tmp_path / "source",
+        "modernbert",
+        "ForMaskedLM",
+        tokenizer=False,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 160_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    )
     convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
     config = NormSwapConfig.from_pretrained(tmp_path / "out")
     assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
@@ -473,7 +532,9 @@ def test_modernbert_local_layers_slide_beyond_the_window(tmp_path):
 
 def test_modernbert_swaps(tmp_path):
     save_source(tmp_path / "source", "modernbert", "ForMaskedLM", tokenizer=False)
-    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "post"), norm_placement="post", log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "post"), norm_placement="post", log=lambda _: None
+    )
     config = NormSwapConfig.from_pretrained(tmp_path / "post")
     assert config.first_attention_input_norm and config.embedding_norm and not config.final_norm
     sources = report["norm_sources"]
@@ -481,15 +542,22 @@ def test_modernbert_swaps(tmp_path):
     assert sources["model.layers.0.attention_norms.residual_norm"] == "model.layers.0.mlp_norms.input_norm"
     assert sources["model.layers.2.mlp_norms.residual_norm"] == "model.norm"
     assert cli(["export-native", str(tmp_path / "post"), str(tmp_path / "back")]) == 1
-    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "sandwich"), norm_placement="sandwich",
-                                log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "sandwich"), norm_placement="sandwich", log=lambda _: None
+    )
     assert report["norm_sources"]["model.layers.0.attention_norms.input_norm"] == "model.embeddings.norm"
     assert NormSwapConfig.from_pretrained(tmp_path / "sandwich").embedding_norm is False
 
 
 def test_modernbert_mean_pooling_classifier_converts_exactly(tmp_path):
-    save_source(tmp_path / "source", "modernbert", "ForSequenceClassification", tokenizer=False,
-                classifier_pooling="mean", classifier_bias=True)
+    save_source(
+        tmp_path / "source",
+        "modernbert",
+        "ForSequenceClassification",
+        tokenizer=False,
+        classifier_pooling="mean",
+        classifier_bias=True,
+    )
     report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
     assert report["measured"]["logits_max_abs_diff"] <= 1e-4
     config = NormSwapConfig.from_pretrained(tmp_path / "out")
@@ -499,14 +567,18 @@ def test_modernbert_mean_pooling_classifier_converts_exactly(tmp_path):
 @pytest.mark.parametrize("model_type", ["distilbert", "electra"])
 def test_post_ln_families_swap_to_deepnorm_exactly(tmp_path, model_type):
     save_source(tmp_path / "source", model_type, "ForSequenceClassification", tokenizer=False)
-    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="deepnorm", log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="deepnorm", log=lambda _: None
+    )
     assert report["swap"]["exact_swap"] == "post<->deepnorm" and report["exact"] is True
     assert report["swap_distance"]["logits_max_abs_diff"] <= 1e-4
 
 
 def test_modernbert_layernorm_to_rmsnorm_is_measured_as_approximate(tmp_path):
     save_source(tmp_path / "source", "modernbert", "ForTokenClassification", tokenizer=False)
-    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_type="rmsnorm", log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "out"), norm_type="rmsnorm", log=lambda _: None
+    )
     assert report["swap"]["exact_swap"] is None and report["exact"] is False
 
 

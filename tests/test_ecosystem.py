@@ -12,9 +12,9 @@ from hf_normswap import (
     NormSwapModel,
     convert_checkpoint,
 )
-from hf_normswap.swap_effect import SENTENCES
+from hf_normswap.probes.probe_data import SENTENCES
 
-from sources import save_source
+from helpers import save_source
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +22,19 @@ def variants(tmp_path_factory):
     """Tiny BERT checkpoints (masked-LM, sequence and token classification) converted to a pre-LN RoPE variant."""
     root = tmp_path_factory.mktemp("ecosystem")
     folders = {}
-    for suffix, head in (("ForMaskedLM", "masked-lm"), ("ForSequenceClassification", "sequence-classification"),
-                         ("ForTokenClassification", "token-classification")):
+    for suffix, head in (
+        ("ForMaskedLM", "masked-lm"),
+        ("ForSequenceClassification", "sequence-classification"),
+        ("ForTokenClassification", "token-classification"),
+    ):
         save_source(root / suffix, "bert", suffix, initializer_range=0.2)  # inputs told apart, unlike at 0.02
-        convert_checkpoint(str(root / suffix), str(root / head), norm_placement="pre", position_embedding_type="rope", log=lambda _: None)
+        convert_checkpoint(
+            str(root / suffix),
+            str(root / head),
+            norm_placement="pre",
+            position_embedding_type="rope",
+            log=lambda _: None,
+        )
         folders[head] = root / head
     return folders
 
@@ -89,15 +98,25 @@ def test_sentence_transformers_loads_a_variant(variants):
 def test_lora_on_q_and_v_trains_and_merges(variants, tmp_path):
     peft = pytest.importorskip("peft", reason="needs the dev extra")
     model = NormSwapForSequenceClassification.from_pretrained(variants["sequence-classification"])
-    lora = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
     trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
     assert any("q_proj.lora_A" in name for name in trainable) and any("v_proj.lora_B" in name for name in trainable)
     assert not any("k_proj" in name for name in trainable)
     tokenizer = AutoTokenizer.from_pretrained(variants["sequence-classification"])
     texts = [SENTENCES[i % 2] for i in range(32)]
     data = Dataset.from_dict({**tokenizer(texts, padding=True), "labels": [i % 2 for i in range(32)]})
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, learning_rate=1e-2,
-                             num_train_epochs=15, logging_steps=4, save_strategy="no", report_to=[], disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        num_train_epochs=15,
+        logging_steps=4,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=lora, args=args, train_dataset=data)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

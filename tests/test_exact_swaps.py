@@ -5,11 +5,9 @@ import torch
 
 from hf_normswap import NormSwapConfig, NormSwapForCausalLM, NormSwapModel, convert_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.convert import HIDDEN_TOLERANCE, LOGITS_TOLERANCE
+from hf_normswap.convert.converter import HIDDEN_TOLERANCE, LOGITS_TOLERANCE
 
-from conftest import padded_batch, tiny_config
-from sources import save_source
-from test_convert import tensors
+from helpers import padded_batch, save_source, tensors, tiny_config
 
 
 def quiet(*args, **kwargs):
@@ -19,7 +17,10 @@ def quiet(*args, **kwargs):
 def assert_exact(report):
     distance = report["swap_distance"]
     assert report["exact"] is True
-    assert distance["last_hidden_state_max_abs_diff"] is None or distance["last_hidden_state_max_abs_diff"] <= HIDDEN_TOLERANCE
+    assert (
+        distance["last_hidden_state_max_abs_diff"] is None
+        or distance["last_hidden_state_max_abs_diff"] <= HIDDEN_TOLERANCE
+    )
     assert distance["logits_max_abs_diff"] is None or distance["logits_max_abs_diff"] <= LOGITS_TOLERANCE
 
 
@@ -35,7 +36,9 @@ def test_bert_to_deepnorm_and_back_is_exact(tmp_path, suffix):
     source_prefix = "encoder" if suffix == "Model" else "bert.encoder"
     for parameter in ("weight", "bias"):
         scaled = deep[f"{prefix}layers.1.mlp.down_proj.{parameter}"]
-        assert torch.allclose(scaled, config.deepnorm_alpha * plain[f"{source_prefix}.layer.1.output.dense.{parameter}"])
+        assert torch.allclose(
+            scaled, config.deepnorm_alpha * plain[f"{source_prefix}.layer.1.output.dense.{parameter}"]
+        )
 
     # A NormSwap checkpoint is a source too: back to post, the same tensors as the BERT conversion.
     back = quiet(str(tmp_path / "deepnorm"), str(tmp_path / "post"), norm_placement="post")
@@ -54,7 +57,10 @@ def test_pre_layernorm_to_rmsnorm_is_exact_for_heads_that_fold_the_final_norm(tm
     assert pre["exact"] is False and pre["swap_distance"]["last_hidden_state_max_abs_diff"] > 1e-3
 
     report = quiet(str(tmp_path / "pre"), str(tmp_path / "rms"), norm_type="rmsnorm")
-    assert report["swap"]["exact_swap"] == "layernorm->rmsnorm" and report["swap"]["norm_type"] == ["layernorm", "rmsnorm"]
+    assert report["swap"]["exact_swap"] == "layernorm->rmsnorm" and report["swap"]["norm_type"] == [
+        "layernorm",
+        "rmsnorm",
+    ]
     assert_exact(report)
     assert report["swap_distance"]["last_hidden_state_max_abs_diff"] is None  # the final norm lives in the head now
     config = NormSwapConfig.from_pretrained(tmp_path / "rms")
@@ -72,8 +78,14 @@ def test_pre_layernorm_to_rmsnorm_is_exact_for_heads_that_fold_the_final_norm(tm
 
 @pytest.mark.parametrize("model_class, head", [(NormSwapModel, "base"), (NormSwapForCausalLM, "causal-lm")])
 def test_pre_layernorm_without_bias_to_rmsnorm_is_exact(tmp_path, model_class, head):
-    config = tiny_config(norm_placement="pre", norm_bias=False, attention_bias=False, mlp_bias=False,
-                         is_causal=head == "causal-lm", position_embedding_type="absolute")
+    config = tiny_config(
+        norm_placement="pre",
+        norm_bias=False,
+        attention_bias=False,
+        mlp_bias=False,
+        is_causal=head == "causal-lm",
+        position_embedding_type="absolute",
+    )
     model = model_class(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -5,11 +5,10 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_normswap import NormSwapConfig, convert_checkpoint
-from hf_normswap.heads import HEAD_CLASSES
-from hf_normswap.swap_effect import SENTENCES
+from hf_normswap.model.heads import HEAD_CLASSES
+from hf_normswap.probes.probe_data import SENTENCES
 
-from sources import save_source
-from test_generation import greedy, left_padded_prompts
+from helpers import greedy, left_padded_prompts, save_source
 
 
 CASES = [
@@ -28,8 +27,9 @@ CAUSAL_LM = {"gpt2": "LMHeadModel", "gemma2": "ForCausalLM", "gemma3_text": "For
 
 def convert(tmp_path, model_type, suffix, name="out", **options):
     native = save_source(tmp_path / "source", model_type, suffix)
-    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / name), attention="causal",
-                                log=lambda _: None, **options)
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / name), attention="causal", log=lambda _: None, **options
+    )
     return native.eval(), report
 
 
@@ -160,9 +160,17 @@ def tensors(folder):
     return load_file(folder / "model.safetensors")
 
 
-@pytest.mark.parametrize("model_type, suffix", [("gpt2", "LMHeadModel"), ("gpt2", "ForSequenceClassification"),
-                                                ("olmo2", "ForCausalLM"), ("gemma2", "ForCausalLM"),
-                                                ("gemma3_text", "ForCausalLM"), ("gemma3_text", "TextModel")])
+@pytest.mark.parametrize(
+    "model_type, suffix",
+    [
+        ("gpt2", "LMHeadModel"),
+        ("gpt2", "ForSequenceClassification"),
+        ("olmo2", "ForCausalLM"),
+        ("gemma2", "ForCausalLM"),
+        ("gemma3_text", "ForCausalLM"),
+        ("gemma3_text", "TextModel"),
+    ],
+)
 def test_export_native_round_trip(tmp_path, model_type, suffix):
     from hf_normswap.cli import main as cli
 
@@ -180,8 +188,12 @@ def test_export_native_round_trip(tmp_path, model_type, suffix):
         else:
             assert torch.equal(tensor, back[name]), name
     if model_type.startswith("gemma"):
-        assert convert_checkpoint(str(tmp_path / "back"), str(tmp_path / "again"), attention="causal",
-                                  log=lambda _: None)["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
+        assert (
+            convert_checkpoint(
+                str(tmp_path / "back"), str(tmp_path / "again"), attention="causal", log=lambda _: None
+            )["measured"]["last_hidden_state_max_abs_diff"]
+            <= 1e-5
+        )
         first, again = tensors(tmp_path / "out"), tensors(tmp_path / "again")
         assert all(torch.equal(first[name], again[name]) for name in first)
 

@@ -6,23 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipe
 
 from hf_normswap import NormSwapForCausalLM, convert_checkpoint
 
-from conftest import padded_batch, tiny_config
-from sources import save_source
-
-
-NEW_TOKENS = 32
-
-
-def greedy(model, input_ids, attention_mask):
-    return model.generate(
-        input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-        do_sample=False, pad_token_id=0,
-    )
-
-
-def left_padded_prompts(vocab_size, lengths=(7, 4)):
-    input_ids, attention_mask = padded_batch(vocab_size=vocab_size, lengths=lengths)
-    return input_ids.flip(1), attention_mask.flip(1)  # generation pads on the left
+from helpers import NEW_TOKENS, greedy, left_padded_prompts, padded_batch, save_source, tiny_config
 
 
 def assert_generates_as_native(tmp_path, model_type, **overrides):
@@ -52,22 +36,36 @@ def test_sliding_window_cache_generates_as_mistral(tmp_path):
 
 def test_cache_gives_the_same_logits_as_recomputing():
     for position in ("rope", "alibi", "absolute", "sinusoidal"):
-        model = NormSwapForCausalLM(tiny_config(is_causal=True, position_embedding_type=position, norm_placement="pre",
-                                                layer_types=["sliding_attention", "full_attention"], sliding_window=3)).eval()
+        model = NormSwapForCausalLM(
+            tiny_config(
+                is_causal=True,
+                position_embedding_type=position,
+                norm_placement="pre",
+                layer_types=["sliding_attention", "full_attention"],
+                sliding_window=3,
+            )
+        ).eval()
         input_ids, _ = padded_batch(lengths=(10, 10))
         with torch.no_grad():
             full = model(input_ids).logits
             cache = DynamicCache(config=model.config)
             first = model(input_ids[:, :6], past_key_values=cache, use_cache=True)
-            steps = [model(input_ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(6, 10)]
+            steps = [
+                model(input_ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(6, 10)
+            ]
         stepped = torch.cat([first.logits, *steps], dim=1)
         assert (stepped - full).abs().max().item() <= 1e-5, position
 
 
 def test_text_generation_pipeline_and_a_swapped_variant(tmp_path):
     save_source(tmp_path / "source", "llama", "ForCausalLM")
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "swapped"), attention="causal", norm_placement="post",
-                       log=lambda _: None)
+    convert_checkpoint(
+        str(tmp_path / "source"),
+        str(tmp_path / "swapped"),
+        attention="causal",
+        norm_placement="post",
+        log=lambda _: None,
+    )
     generator = pipeline("text-generation", model=str(tmp_path / "swapped"))
     text = generator("the cat sat on the", max_new_tokens=8, do_sample=False)[0]["generated_text"]
     assert text.startswith("the cat sat on the") and len(text.split()) > 5
@@ -75,8 +73,9 @@ def test_text_generation_pipeline_and_a_swapped_variant(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "swapped")
     prompt = tokenizer("the cat sat on the", return_tensors="pt")
     tokens = model.generate(**prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    from_pipeline = generator("the cat sat on the", max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                              return_tensors=True)[0]["generated_token_ids"]
+    from_pipeline = generator(
+        "the cat sat on the", max_new_tokens=8, min_new_tokens=8, do_sample=False, return_tensors=True
+    )[0]["generated_token_ids"]
     assert list(from_pipeline) == tokens[0].tolist()
 
 
@@ -86,12 +85,27 @@ def test_generate_command_is_the_pipeline(tmp_path, capsys):
     save_source(tmp_path / "source", "llama", "ForCausalLM")
     convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), attention="causal", log=lambda _: None)
     capsys.readouterr()
-    assert cli(["generate", str(tmp_path / "out"), "--prompt", "the cat sat", "--prompt", "paris is",
-                "--max-new-tokens", "6"]) == 0
+    assert (
+        cli(
+            [
+                "generate",
+                str(tmp_path / "out"),
+                "--prompt",
+                "the cat sat",
+                "--prompt",
+                "paris is",
+                "--max-new-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     generator = pipeline("text-generation", model=str(tmp_path / "out"))
-    expected = [generator(prompt, max_new_tokens=6, do_sample=False)[0]["generated_text"]
-                for prompt in ("the cat sat", "paris is")]
+    expected = [
+        generator(prompt, max_new_tokens=6, do_sample=False)[0]["generated_text"]
+        for prompt in ("the cat sat", "paris is")
+    ]
     assert lines == expected
 
     convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "encoder"), log=lambda _: None)

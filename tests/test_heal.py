@@ -8,11 +8,13 @@ from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, OPTCon
 
 import hf_normswap
 from hf_normswap import convert_checkpoint, heal_checkpoint
-from hf_normswap.modeling_normswap import AUTO_MAP
 from hf_normswap.cli import main as cli
-from hf_normswap.collapse import mean_pairwise_cosine, report_lines, summarize_runs
+from hf_normswap.compare.report import collapse_report_lines as report_lines
+from hf_normswap.compare.report import summarize_collapse as summarize_runs
+from hf_normswap.model.modeling_normswap import AUTO_MAP
+from hf_normswap.probes.collapse import mean_pairwise_cosine
 
-from sources import SENTENCES, save_source
+from helpers import SENTENCES, save_source
 
 
 HEAL = dict(max_steps=24, learning_rate=1e-3, batch_size=8, eval_size=16, log=None)
@@ -24,7 +26,9 @@ def variant(tmp_path_factory):
     folder = tmp_path_factory.mktemp("heal")
     save_source(folder / "bert", "bert", "Model", initializer_range=0.2)  # inputs told apart, unlike at 0.02
     # Norms shifted only: far from the source (calibrated writes would start this tiny model at a token cosine of 0.97).
-    convert_checkpoint(str(folder / "bert"), str(folder / "pre"), norm_placement="pre", calibrate=False, log=lambda line: None)
+    convert_checkpoint(
+        str(folder / "bert"), str(folder / "pre"), norm_placement="pre", calibrate=False, log=lambda line: None
+    )
     (folder / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
     return folder
 
@@ -41,7 +45,9 @@ def test_conversion_records_collapse(variant):
     for pooling in ("first_token", "mean"):
         assert len(record["source"][pooling]) == len(record["variant"][pooling]) == 3  # embeddings + 2 layers
         assert all(-1 <= value <= 1 for value in record["source"][pooling] + record["variant"][pooling])
-    assert record["flagged"] == any(record["variant"][p][-1] > record["source"][p][-1] + 0.1 for p in ("first_token", "mean"))
+    assert record["flagged"] == any(
+        record["variant"][p][-1] > record["source"][p][-1] + 0.1 for p in ("first_token", "mean")
+    )
     # The unswapped conversion has the source's figures.
     plain = convert_checkpoint(str(variant / "bert"), str(variant / "post"), log=lambda line: None)["collapse"]
     assert plain["variant"]["mean"] == pytest.approx(plain["source"]["mean"], abs=1e-5) and not plain["flagged"]
@@ -50,7 +56,9 @@ def test_conversion_records_collapse(variant):
 @pytest.mark.parametrize("objective", ["similarity", "cka", "hidden"])
 def test_healing_reduces_distance(variant, objective):
     output = variant / f"healed-{objective}"
-    report = heal_checkpoint(str(variant / "pre"), str(output), data=str(variant / "text.txt"), objective=objective, **HEAL)
+    report = heal_checkpoint(
+        str(variant / "pre"), str(output), data=str(variant / "text.txt"), objective=objective, **HEAL
+    )
     saved = json.loads((output / "heal.json").read_text())
     assert saved["teacher"] == str(variant / "bert") and saved["steps"] == 24 and saved["seconds"] > 0
     assert saved["objective"] == objective and len(saved["before"]) == len(saved["after"]) == 3
@@ -73,12 +81,14 @@ def test_healing_reduces_distance(variant, objective):
     # the package), and it computes what was measured.
     assert json.loads((output / "config.json").read_text())["auto_map"] == AUTO_MAP
     for code in ("configuration_normswap.py", "modeling_normswap.py"):
-        assert (output / code).read_text() == (Path(hf_normswap.__file__).parent / code).read_text()
+        assert (output / code).read_text() == (Path(hf_normswap.__file__).parent / "model" / code).read_text()
     healed = AutoModel.from_pretrained(output, trust_remote_code=True).eval()
     teacher = AutoModel.from_pretrained(variant / "bert").eval()
     batch = AutoTokenizer.from_pretrained(output)(SENTENCES, padding=True, return_tensors="pt")
     with torch.no_grad():
-        cosine = torch.nn.functional.cosine_similarity(healed(**batch).last_hidden_state, teacher(**batch).last_hidden_state, dim=-1)
+        cosine = torch.nn.functional.cosine_similarity(
+            healed(**batch).last_hidden_state, teacher(**batch).last_hidden_state, dim=-1
+        )
     assert cosine[batch["attention_mask"].bool()].mean().item() > before["token_cosine"] + 0.03
 
 
@@ -87,8 +97,21 @@ def test_heal_cli_bad_input(variant, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "blank.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": " "}) + "\n")
     vocab_size = json.loads((variant / "pre" / "config.json").read_text())["vocab_size"]
-    BertModel(BertConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)).save_pretrained(tmp_path / "wide")
-    OPTModel(OPTConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32)).save_pretrained(tmp_path / "opt")
+    BertModel(
+        BertConfig(
+            vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+        )
+    ).save_pretrained(tmp_path / "wide")
+    OPTModel(
+        OPTConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+        )
+    ).save_pretrained(tmp_path / "opt")
     no_record = tmp_path / "no-record"
     no_record.mkdir()
     for file in (variant / "pre").iterdir():
@@ -118,11 +141,16 @@ def test_heal_cli_bad_input(variant, tmp_path, capsys):
 def test_collapse_flag_in_report():
     def run(start: float, source: float = 0.7) -> dict:
         profile = lambda value: {"first_token": [0.5, value], "mean": [0.5, 0.6]}  # noqa: E731
-        return {"source_collapse": profile(source), "diagnostics": [{"step": 0, "collapse": profile(start)}, {"step": 10, "collapse": profile(0.75)}]}
+        return {
+            "source_collapse": profile(source),
+            "diagnostics": [{"step": 0, "collapse": profile(start)}, {"step": 10, "collapse": profile(0.75)}],
+        }
 
     healthy, collapsed = summarize_runs([run(0.75), run(0.79)]), summarize_runs([run(0.99), run(0.97)])
     assert not healthy["flagged"] and collapsed["flagged"]
-    assert collapsed["start"]["first_token"] == pytest.approx(0.98) and collapsed["end"]["first_token"] == pytest.approx(0.75)
+    assert collapsed["start"]["first_token"] == pytest.approx(0.98) and collapsed["end"][
+        "first_token"
+    ] == pytest.approx(0.75)
     lines = report_lines({"post": {"collapse": healthy}, "pre": {"collapse": collapsed}})
     assert any(line.startswith("| pre |") and "**collapsed**" in line for line in lines)
     assert any(line.startswith("| post |") and "**collapsed**" not in line for line in lines)
@@ -132,8 +160,12 @@ def test_collapse_flag_in_report():
 def test_heal_a_reswapped_normswap_checkpoint(variant):
     """A variant converted from a NormSwap checkpoint heals towards that checkpoint; the healing stays in the lineage."""
     convert_checkpoint(str(variant / "bert"), str(variant / "ns-post"), log=lambda line: None)
-    convert_checkpoint(str(variant / "ns-post"), str(variant / "ns-pre"), norm_placement="pre", calibrate=False, log=lambda line: None)
-    report = heal_checkpoint(str(variant / "ns-pre"), str(variant / "ns-healed"), data=str(variant / "text.txt"), **HEAL)
+    convert_checkpoint(
+        str(variant / "ns-post"), str(variant / "ns-pre"), norm_placement="pre", calibrate=False, log=lambda line: None
+    )
+    report = heal_checkpoint(
+        str(variant / "ns-pre"), str(variant / "ns-healed"), data=str(variant / "text.txt"), **HEAL
+    )
     assert report["teacher"] == str(variant / "ns-post")
     assert report["after"][-1]["token_cosine"] > report["before"][-1]["token_cosine"] + 0.03
     again = convert_checkpoint(str(variant / "ns-healed"), str(variant / "ns-again"), log=lambda line: None)
@@ -142,9 +174,13 @@ def test_heal_a_reswapped_normswap_checkpoint(variant):
 
 def test_masked_lm_distillation(tmp_path):
     save_source(tmp_path / "bert", "bert", "ForMaskedLM", initializer_range=0.2)
-    convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre", calibrate=False, log=lambda line: None)
+    convert_checkpoint(
+        str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre", calibrate=False, log=lambda line: None
+    )
     (tmp_path / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
-    report = heal_checkpoint(str(tmp_path / "pre"), str(tmp_path / "healed"), data=str(tmp_path / "text.txt"), objective="mlm", **HEAL)
+    report = heal_checkpoint(
+        str(tmp_path / "pre"), str(tmp_path / "healed"), data=str(tmp_path / "text.txt"), objective="mlm", **HEAL
+    )
     losses = report["masked_lm_loss"]
     assert losses["after"] < losses["before"] and losses["teacher"] > 0, losses
     assert report["after"][-1]["token_cosine"] > report["before"][-1]["token_cosine"]
@@ -153,15 +189,34 @@ def test_masked_lm_distillation(tmp_path):
 def _embeddings_changed(healed: Path, converted: Path) -> dict:
     """The embedding tensors that healing changed, with their largest change."""
     before, after = (load_file(folder / "model.safetensors") for folder in (converted, healed))
-    changes = {name: (after[name] - tensor).abs().max().item() for name, tensor in before.items() if "embeddings." in name}
+    changes = {
+        name: (after[name] - tensor).abs().max().item() for name, tensor in before.items() if "embeddings." in name
+    }
     assert changes, "no embedding tensors"
     return {name: change for name, change in changes.items() if change > 0}
 
 
 def test_unfrozen_embeddings_are_trained(variant):
     output = variant / "healed-unfrozen"
-    assert cli(["heal", str(variant / "pre"), str(output), "--data", str(variant / "text.txt"), "--max-steps", "4",
-                "--batch-size", "8", "--eval-size", "8", "--no-freeze-embeddings"]) == 0
+    assert (
+        cli(
+            [
+                "heal",
+                str(variant / "pre"),
+                str(output),
+                "--data",
+                str(variant / "text.txt"),
+                "--max-steps",
+                "4",
+                "--batch-size",
+                "8",
+                "--eval-size",
+                "8",
+                "--no-freeze-embeddings",
+            ]
+        )
+        == 0
+    )
     assert json.loads((output / "heal.json").read_text())["freeze_embeddings"] is False
     changed = _embeddings_changed(output, variant / "pre")
     assert "embeddings.word_embeddings.weight" in changed and min(changed.values()) > 1e-4, changed
@@ -176,8 +231,13 @@ def test_packed_healing_is_padded_healing(tmp_path, objective):
     (tmp_path / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
     reports = {
         (packing, dropout): heal_checkpoint(
-            str(tmp_path / "pre"), str(tmp_path / f"healed-{packing}-{dropout}"), data=str(tmp_path / "text.txt"),
-            objective=objective, packing=packing, dropout=dropout, **HEAL,
+            str(tmp_path / "pre"),
+            str(tmp_path / f"healed-{packing}-{dropout}"),
+            data=str(tmp_path / "text.txt"),
+            objective=objective,
+            packing=packing,
+            dropout=dropout,
+            **HEAL,
         )
         for packing in (False, True)
         for dropout in (False, True)
@@ -187,7 +247,11 @@ def test_packed_healing_is_padded_healing(tmp_path, objective):
     padded, packed = losses[False, False], losses[True, False]
     assert len(padded) == len(packed) == HEAL["max_steps"]
     for a, b in zip(padded, packed):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3, abs=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-3, abs=1e-4
+        )
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(losses[False, True], losses[True, True])) > 1e-3
     for a, b in zip(reports[False, False]["after"], reports[True, False]["after"]):
-        assert a["token_cosine"] == pytest.approx(b["token_cosine"], abs=1e-4) and a["mse"] == pytest.approx(b["mse"], abs=1e-4)
+        assert a["token_cosine"] == pytest.approx(b["token_cosine"], abs=1e-4) and a["mse"] == pytest.approx(
+            b["mse"], abs=1e-4
+        )

@@ -21,9 +21,9 @@ from hf_normswap import (
     NormSwapModel,
     mix_ln_placement,
 )
-from hf_normswap.configuration_normswap import NORM_PLACEMENTS, NORM_TYPES, POSITION_EMBEDDING_TYPES
+from hf_normswap.model.configuration_normswap import NORM_PLACEMENTS, NORM_TYPES, POSITION_EMBEDDING_TYPES
 
-from conftest import padded_batch, tiny_config
+from helpers import padded_batch, tiny_config
 
 
 PLACEMENTS = [*NORM_PLACEMENTS, "mix_ln"]
@@ -114,7 +114,7 @@ def test_alibi_refuses_other_attention_implementations():
 
 
 def test_alibi_slopes_follow_the_paper():
-    from hf_normswap.modeling_normswap import alibi_slopes
+    from hf_normswap.model.modeling_normswap import alibi_slopes
 
     assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
     six = alibi_slopes(6)
@@ -247,7 +247,9 @@ def test_save_and_load_is_bit_exact(tmp_path, model_class, auto_class, overrides
         assert torch.equal(a, b), name
     input_ids, attention_mask = padded_batch()
     with torch.no_grad():
-        assert torch.equal(model(input_ids, attention_mask=attention_mask)[0], loaded(input_ids, attention_mask=attention_mask)[0])
+        assert torch.equal(
+            model(input_ids, attention_mask=attention_mask)[0], loaded(input_ids, attention_mask=attention_mask)[0]
+        )
     auto_map = AutoConfig.from_pretrained(tmp_path).auto_map
     assert set(auto_map) == {"AutoConfig", *(auto.__name__ for _, auto, _ in HEADS)}
     assert (tmp_path / "modeling_normswap.py").exists() and (tmp_path / "configuration_normswap.py").exists()

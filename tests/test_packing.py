@@ -14,10 +14,10 @@ from hf_normswap import (
     NormSwapForTokenClassification,
     NormSwapModel,
 )
-from hf_normswap.configuration_normswap import POSITION_EMBEDDING_TYPES
-from hf_normswap.packing import first_fit_decreasing
+from hf_normswap.model.configuration_normswap import POSITION_EMBEDDING_TYPES
+from hf_normswap.model.packing import first_fit_decreasing
 
-from conftest import tiny_config
+from helpers import tiny_config
 
 
 LENGTHS = (9, 4, 6, 3, 7)
@@ -84,7 +84,8 @@ def tokens_of(packed_output, packed_batch, padded_output):
 
 
 @pytest.mark.parametrize(
-    "head, is_causal", [(head, is_causal) for head in HEADS for is_causal in (False, True) if is_causal or head != "causal-lm"]
+    "head, is_causal",
+    [(head, is_causal) for head in HEADS for is_causal in (False, True) if is_causal or head != "causal-lm"],
 )
 @pytest.mark.parametrize("position", POSITIONS)
 def test_packed_equals_padded(head, position, is_causal):
@@ -104,7 +105,10 @@ def test_packed_equals_padded(head, position, is_causal):
             real = padded(features)["attention_mask"].bool()
             assert packed_out.start_logits.shape == padded_out.start_logits.shape
             assert (packed_out.start_logits[~real] == torch.finfo(torch.float32).min).all()
-            pairs = [(packed_out.start_logits[real], padded_out.start_logits[real]), (packed_out.end_logits[real], padded_out.end_logits[real])]
+            pairs = [
+                (packed_out.start_logits[real], padded_out.start_logits[real]),
+                (packed_out.end_logits[real], padded_out.end_logits[real]),
+            ]
         else:
             name = "last_hidden_state" if head == "base" else "logits"
             pairs = [tokens_of(getattr(packed_out, name), packed_batch, getattr(padded_out, name))]
@@ -118,7 +122,9 @@ def test_packed_equals_padded(head, position, is_causal):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_no_attention_across_sequences(attn_implementation, is_causal):
     position = "alibi" if attn_implementation != "flex_attention" else "rope"
-    model = NormSwapModel._from_config(position_config(position, is_causal=is_causal), attn_implementation=attn_implementation).eval()
+    model = NormSwapModel._from_config(
+        position_config(position, is_causal=is_causal), attn_implementation=attn_implementation
+    ).eval()
     features = examples()
     changed = [dict(f) for f in features]
     changed[2]["input_ids"] = [(t + 5) % 98 + 1 for t in changed[2]["input_ids"]]
@@ -126,23 +132,34 @@ def test_no_attention_across_sequences(attn_implementation, is_causal):
     with torch.no_grad():
         batch, other = collate(features), collate(changed)
         assert torch.equal(batch["seq_idx"], other["seq_idx"])
-        before = model(input_ids=batch["input_ids"], seq_idx=batch["seq_idx"], position_ids=batch["position_ids"]).last_hidden_state
-        after = model(input_ids=other["input_ids"], seq_idx=other["seq_idx"], position_ids=other["position_ids"]).last_hidden_state
+        before = model(
+            input_ids=batch["input_ids"], seq_idx=batch["seq_idx"], position_ids=batch["position_ids"]
+        ).last_hidden_state
+        after = model(
+            input_ids=other["input_ids"], seq_idx=other["seq_idx"], position_ids=other["position_ids"]
+        ).last_hidden_state
     sequence = batch["seq_idx"]
-    assert (before[(sequence != 2) & (sequence >= 0)] - after[(sequence != 2) & (sequence >= 0)]).abs().max().item() <= 1e-6
+    assert (
+        before[(sequence != 2) & (sequence >= 0)] - after[(sequence != 2) & (sequence >= 0)]
+    ).abs().max().item() <= 1e-6
     assert (before[sequence == 2] - after[sequence == 2]).abs().max().item() > 1e-3
 
 
 def test_transformers_flattening_collator():
     """DataCollatorWithFlattening's one-row batches: boundaries from its position ids, or from its seq_idx."""
     features = examples()
-    model = NormSwapForCausalLM._from_config(tiny_config(is_causal=True, position_embedding_type="rope"), attn_implementation="sdpa").eval()
+    model = NormSwapForCausalLM._from_config(
+        tiny_config(is_causal=True, position_embedding_type="rope"), attn_implementation="sdpa"
+    ).eval()
     reference = padded(features)
     del reference["token_type_ids"]  # the flattening collator keeps input ids only
     reference["labels"] = reference["input_ids"].masked_fill(reference["attention_mask"] == 0, -100)
     with torch.no_grad():
         expected = model(**reference)
-        for collator in (DataCollatorWithFlattening(), DataCollatorWithFlattening(return_seq_idx=True, return_position_ids=False)):
+        for collator in (
+            DataCollatorWithFlattening(),
+            DataCollatorWithFlattening(return_seq_idx=True, return_position_ids=False),
+        ):
             batch = collator([{"input_ids": f["input_ids"]} for f in features])
             assert batch["input_ids"].shape == (1, sum(LENGTHS))
             output = model(**batch)
@@ -158,7 +175,18 @@ def test_flash_varlen_path_with_a_reference_kernel(monkeypatch):
     """The flash-attention path (not installed here) gets the sequence boundaries as varlen kwargs; a per-sequence
     reference kernel in place of flash-attn's gives the padded result."""
 
-    def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False):
+    def varlen_reference(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+    ):
         out = torch.empty_like(q)
         for start, end in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
             attend = lambda x: x[start:end].transpose(0, 1)  # noqa: E731
@@ -171,12 +199,18 @@ def test_flash_varlen_path_with_a_reference_kernel(monkeypatch):
     process = flash_utils._lazy_define_process_function(varlen_reference)
     monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (kernels, (process, dict)))
     for is_causal in (False, True):
-        model = NormSwapModel._from_config(tiny_config(position_embedding_type="rope", is_causal=is_causal), attn_implementation="eager").eval()
+        model = NormSwapModel._from_config(
+            tiny_config(position_embedding_type="rope", is_causal=is_causal), attn_implementation="eager"
+        ).eval()
         batch = DataCollatorWithPacking()(examples())
         with torch.no_grad():
-            expected = model(input_ids=batch["input_ids"], seq_idx=batch["seq_idx"], position_ids=batch["position_ids"]).last_hidden_state
+            expected = model(
+                input_ids=batch["input_ids"], seq_idx=batch["seq_idx"], position_ids=batch["position_ids"]
+            ).last_hidden_state
             model.config._attn_implementation = "flash_attention_2"
-            got = model(input_ids=batch["input_ids"], seq_idx=batch["seq_idx"], position_ids=batch["position_ids"]).last_hidden_state
+            got = model(
+                input_ids=batch["input_ids"], seq_idx=batch["seq_idx"], position_ids=batch["position_ids"]
+            ).last_hidden_state
         real = batch["seq_idx"] >= 0
         assert (got[real] - expected[real]).abs().max().item() <= 1e-5
 
@@ -187,9 +221,17 @@ def test_collator_layout():
     assert batch["input_ids"].shape == (4, 9)  # 9 | 7 | 6 + 3 | 4
     assert batch["labels"].tolist() == [0, 1, 2, 0, 1]  # per example, in the examples' order
     answers = DataCollatorWithPacking()(examples(head="question-answering"))
-    assert answers["start_positions"].tolist() == [0, 1, 2, 0, 4] and answers["end_positions"].tolist() == [8, 3, 5, 2, 6]
+    assert answers["start_positions"].tolist() == [0, 1, 2, 0, 4] and answers["end_positions"].tolist() == [
+        8,
+        3,
+        5,
+        2,
+        6,
+    ]
     token_labels = DataCollatorWithPacking()(examples(head="masked-lm"))
-    assert token_labels["labels"].shape == (4, 9) and (token_labels["labels"][token_labels["seq_idx"] < 0] == -100).all()
+    assert (
+        token_labels["labels"].shape == (4, 9) and (token_labels["labels"][token_labels["seq_idx"] < 0] == -100).all()
+    )
     for index, feature in enumerate(features):
         tokens = batch["seq_idx"] == index
         assert batch["input_ids"][tokens].tolist() == feature["input_ids"]
@@ -198,4 +240,6 @@ def test_collator_layout():
     assert (batch["input_ids"][batch["seq_idx"] < 0] == 0).all()
     assert first_fit_decreasing([5, 5, 2, 8, 3], 8) == [[3], [0, 4], [1, 2]]
     with pytest.raises(ValueError, match="example 1 is padded"):
-        DataCollatorWithPacking()([{"input_ids": [1, 2], "attention_mask": [1, 1]}, {"input_ids": [1, 0], "attention_mask": [1, 0]}])
+        DataCollatorWithPacking()(
+            [{"input_ids": [1, 2], "attention_mask": [1, 1]}, {"input_ids": [1, 0], "attention_mask": [1, 0]}]
+        )

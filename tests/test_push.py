@@ -9,10 +9,9 @@ from huggingface_hub import ModelCard
 
 from hf_normswap import convert_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.compare import Experiment, run_comparison
+from hf_normswap.compare.comparison import Experiment, run_comparison
 
-from sources import save_source
-from test_compare import tiny_task
+from helpers import save_source, tiny_task
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +24,65 @@ def comparison(tmp_path_factory):
     glue.mkdir(parents=True)
     for split in ("train", "validation"):
         rows = [json.loads(line) for line in (tiny_task(root / "task") / f"{split}.jsonl").read_text().splitlines()]
-        (glue / f"{split}.jsonl").write_text("".join(
-            json.dumps({"sentence": row["text"], "label": row["label"], "idx": i}) + "\n" for i, row in enumerate(rows)))
-    run_comparison(Experiment(model=str(root / "bert"), task="sst2", data_dir=str(root / "glue"),
-                              variants=["post", "pre"], seeds=2, epochs=1, batch_size=16, logging_steps=1,
-                              output=str(root / "comparison")))
+        (glue / f"{split}.jsonl").write_text(
+            "".join(
+                json.dumps({"sentence": row["text"], "label": row["label"], "idx": i}) + "\n"
+                for i, row in enumerate(rows)
+            )
+        )
+    run_comparison(
+        Experiment(
+            model=str(root / "bert"),
+            task="sst2",
+            data_dir=str(root / "glue"),
+            variants=["post", "pre"],
+            seeds=2,
+            epochs=1,
+            batch_size=16,
+            logging_steps=1,
+            output=str(root / "comparison"),
+        )
+    )
     return root / "comparison"
 
 
 def test_dry_run_writes_the_upload_and_card(comparison, tmp_path):
     variant = comparison / "variants" / "pre"
-    assert cli(["push", str(variant), "--repo-id", "someone/tiny-bert-pre", "--dry-run", str(tmp_path / "up"),
-                "--base-model", "someone/tiny-bert", "--datasets", "nyu-mll/glue"]) == 0
+    assert (
+        cli(
+            [
+                "push",
+                str(variant),
+                "--repo-id",
+                "someone/tiny-bert-pre",
+                "--dry-run",
+                str(tmp_path / "up"),
+                "--base-model",
+                "someone/tiny-bert",
+                "--datasets",
+                "nyu-mll/glue",
+            ]
+        )
+        == 0
+    )
     files = sorted(path.name for path in (tmp_path / "up").iterdir())
-    assert files == sorted([
-        "README.md", "config.json", "configuration_normswap.py", "modeling_normswap.py", "model.safetensors",
-        "conversion.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
-        "loss.png", "eval_metric.png", "grad_norm_init.png", "residual_rms.png",
-    ])
+    assert files == sorted(
+        [
+            "README.md",
+            "config.json",
+            "configuration_normswap.py",
+            "modeling_normswap.py",
+            "model.safetensors",
+            "conversion.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "vocab.txt",
+            "loss.png",
+            "eval_metric.png",
+            "grad_norm_init.png",
+            "residual_rms.png",
+        ]
+    )
     card = ModelCard.load(tmp_path / "up" / "README.md")
     data = card.data.to_dict()
     assert data["library_name"] == "transformers" and data["base_model"] == "someone/tiny-bert"
@@ -57,16 +97,36 @@ def test_dry_run_writes_the_upload_and_card(comparison, tmp_path):
     assert "| pre |" in card.text and "![loss.png](loss.png)" in card.text
     assert "| norm placement | post | pre |" in card.text
     scales = json.loads((variant / "conversion.json").read_text())["calibration"]["write_scales"].values()
-    assert f"| sublayer writes | | calibrated: scaled by {min(scales):.3g} to {max(scales):.3g}, 4 refitted against the source (ridge 1), fitted on" in card.text
+    assert (
+        f"| sublayer writes | | calibrated: scaled by {min(scales):.3g} to {max(scales):.3g}, 4 refitted against the source (ridge 1), fitted on"
+        in card.text
+    )
     config = json.loads((tmp_path / "up" / "config.json").read_text())
     assert len(config["auto_map"]) == 7
 
 
 def test_card_without_comparison(tmp_path):
     save_source(tmp_path / "bert", "bert", "ForMaskedLM")
-    convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "variant"), norm_placement="sandwich", log=lambda _: None)
-    assert cli(["push", str(tmp_path / "variant"), "--repo-id", "me/v", "--dry-run", str(tmp_path / "up"),
-                "--base-model", "me/bert", "--license", "mit"]) == 0
+    convert_checkpoint(
+        str(tmp_path / "bert"), str(tmp_path / "variant"), norm_placement="sandwich", log=lambda _: None
+    )
+    assert (
+        cli(
+            [
+                "push",
+                str(tmp_path / "variant"),
+                "--repo-id",
+                "me/v",
+                "--dry-run",
+                str(tmp_path / "up"),
+                "--base-model",
+                "me/bert",
+                "--license",
+                "mit",
+            ]
+        )
+        == 0
+    )
     card = ModelCard.load(tmp_path / "up" / "README.md")
     assert card.data.pipeline_tag == "fill-mask" and card.data.license == "mit"
     assert "model-index" not in card.data.to_dict() and "## Comparison" not in card.text
@@ -86,9 +146,14 @@ def test_push_goes_through_the_hub_client(comparison, monkeypatch):
             return httpx2.Response(200, json={"url": "https://huggingface.co/someone/tiny", "name": "someone/tiny"})
         if "/preupload/" in url:
             files = json.loads(request.content)["files"]
-            return httpx2.Response(200, json={"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+            return httpx2.Response(
+                200,
+                json={"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]},
+            )
         if "/commit/" in url:
-            return httpx2.Response(200, json={"commitUrl": "https://huggingface.co/someone/tiny/commit/1234", "commitOid": "1" * 40})
+            return httpx2.Response(
+                200, json={"commitUrl": "https://huggingface.co/someone/tiny/commit/1234", "commitOid": "1" * 40}
+            )
         if "/branch/" in url:
             return httpx2.Response(200, json={})
         if url.endswith("/api/validate-yaml"):  # the Hub checks the card's metadata
@@ -100,8 +165,24 @@ def test_push_goes_through_the_hub_client(comparison, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(answer)))
     try:
-        assert cli(["push", str(comparison / "variants" / "post"), "--repo-id", "someone/tiny", "--private",
-                    "--revision", "experiment", "--commit-message", "post variant", "--base-model", "someone/bert"]) == 0
+        assert (
+            cli(
+                [
+                    "push",
+                    str(comparison / "variants" / "post"),
+                    "--repo-id",
+                    "someone/tiny",
+                    "--private",
+                    "--revision",
+                    "experiment",
+                    "--commit-message",
+                    "post variant",
+                    "--base-model",
+                    "someone/bert",
+                ]
+            )
+            == 0
+        )
     finally:
         huggingface_hub.set_client_factory(huggingface_hub.utils._http.default_client_factory)
     calls = [(method, url.split("huggingface.co")[1]) for method, url, _ in requests if "agent-harnesses" not in url]
@@ -113,7 +194,11 @@ def test_push_goes_through_the_hub_client(comparison, monkeypatch):
         ("POST", "/api/models/someone/tiny/commit/experiment"),
     ]
     create = json.loads(requests[[u for _, u, _ in requests].index("https://huggingface.co/api/repos/create")][2])
-    assert create["name"] == "tiny" and create["organization"] == "someone" and create.get("visibility", create.get("private")) in ("private", True)
+    assert (
+        create["name"] == "tiny"
+        and create["organization"] == "someone"
+        and create.get("visibility", create.get("private")) in ("private", True)
+    )
     commit = [json.loads(line) for line in requests[-1][2].decode().splitlines()]
     assert commit[0]["value"]["summary"] == "post variant"
     uploaded = {entry["value"]["path"]: entry["value"]["content"] for entry in commit[1:] if entry["key"] == "file"}

@@ -9,7 +9,7 @@ import torch
 
 from hf_normswap import NormSwapForMaskedLM
 
-from conftest import padded_batch, tiny_config
+from helpers import padded_batch, tiny_config
 
 
 LOADER = r"""

@@ -20,12 +20,10 @@ from hf_normswap import (
     NormSwapForSequenceClassification,
     NormSwapForTokenClassification,
     NormSwapModel,
+    convert_checkpoint,
 )
 
-from hf_normswap import convert_checkpoint
-
-from conftest import padded_batch, tiny_config
-from sources import save_source
+from helpers import padded_batch, save_source, tiny_config
 
 
 CLEAN_PYTHONS = dict(
@@ -79,13 +77,17 @@ PACKED_HEADS = ["AutoModelForSequenceClassification", "AutoModelForQuestionAnswe
 )
 def test_variant_loads_in_a_clean_environment(tmp_path, version, auto_class, layout):
     model_class, overrides = HEADS[auto_class]
-    config = tiny_config(**{"norm_placement": "sandwich", "position_embedding_type": "rope", "norm_type": "rmsnorm", **overrides})
+    config = tiny_config(
+        **{"norm_placement": "sandwich", "position_embedding_type": "rope", "norm_type": "rmsnorm", **overrides}
+    )
     model = model_class(config).eval()
     model.save_pretrained(tmp_path / "model")
     input_ids, attention_mask = padded_batch()
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
     if layout == "packed":
-        batch = DataCollatorWithPacking()([{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)])
+        batch = DataCollatorWithPacking()(
+            [{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
+        )
     torch.save(batch, tmp_path / "batch.pt")
     with torch.no_grad():
         expected = model(**batch)[0]
@@ -96,10 +98,21 @@ def test_variant_loads_in_a_clean_environment(tmp_path, version, auto_class, lay
 
 
 def load_in_clean_environment(folder, version, auto_class, *extra) -> dict:
-    env = {"PATH": os.environ["PATH"], "HOME": str(folder), "HF_HUB_OFFLINE": "1",
-           "HF_MODULES_CACHE": str(folder / "modules"), "HF_HOME": str(folder / "hf")}
-    process = subprocess.run([CLEAN_PYTHONS[version], "-c", LOADER, str(folder), auto_class, *extra],
-                             capture_output=True, text=True, env=env, cwd=folder, timeout=300)
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(folder),
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(folder / "modules"),
+        "HF_HOME": str(folder / "hf"),
+    }
+    process = subprocess.run(
+        [CLEAN_PYTHONS[version], "-c", LOADER, str(folder), auto_class, *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=folder,
+        timeout=300,
+    )
     assert process.returncode == 0, process.stderr[-3000:]
     return json.loads(process.stdout.strip().splitlines()[-1])
 
@@ -118,15 +131,17 @@ FAMILY_VARIANTS = {  # one converted variant of each causal family, swapped wher
 def test_family_variant_loads_and_generates_in_a_clean_environment(tmp_path, version, model_type):
     suffix, swap = FAMILY_VARIANTS[model_type]
     save_source(tmp_path / "source", model_type, suffix, tokenizer=False)
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "model"), attention="causal", verify=False,
-                       log=lambda _: None, **swap)
+    convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "model"), attention="causal", verify=False, log=lambda _: None, **swap
+    )
     model = NormSwapForCausalLM.from_pretrained(tmp_path / "model").eval()
     input_ids, attention_mask = padded_batch(vocab_size=64, lengths=(12, 7))
     torch.save({"input_ids": input_ids, "attention_mask": attention_mask}, tmp_path / "batch.pt")
     with torch.no_grad():
         expected = model(input_ids, attention_mask=attention_mask).logits
-    tokens = model.generate(input_ids.flip(1), attention_mask=attention_mask.flip(1), max_new_tokens=8,
-                            do_sample=False, pad_token_id=0)
+    tokens = model.generate(
+        input_ids.flip(1), attention_mask=attention_mask.flip(1), max_new_tokens=8, do_sample=False, pad_token_id=0
+    )
 
     result = load_in_clean_environment(tmp_path, version, "AutoModelForCausalLM", "generate")
     assert result["version"] == version and result["class"] == "NormSwapForCausalLM"

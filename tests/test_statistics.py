@@ -3,7 +3,7 @@ import math
 import pytest
 from scipy import stats
 
-from hf_normswap.statistics import describe, paired_difference, summarize
+from hf_normswap.compare.statistics import describe, paired_difference, summarize
 
 
 def test_paired_difference_on_known_numbers():
@@ -27,7 +27,9 @@ def test_paired_difference_on_known_numbers():
 
 
 def test_a_detected_difference_is_said_with_its_interval():
-    difference = paired_difference({0: 0.80, 1: 0.82, 2: 0.78, 3: 0.81, 4: 0.79}, {0: 0.78, 1: 0.801, 2: 0.761, 3: 0.79, 4: 0.77})
+    difference = paired_difference(
+        {0: 0.80, 1: 0.82, 2: 0.78, 3: 0.81, 4: 0.79}, {0: 0.78, 1: 0.801, 2: 0.761, 3: 0.79, 4: 0.77}
+    )
     assert difference["mean"] == pytest.approx(-0.0196, abs=1e-12)
     assert difference["ci95"][1] < 0
     assert difference["sign_test_p"] == pytest.approx(0.0625, abs=1e-12)  # 5 of 5 below
@@ -41,10 +43,17 @@ def test_a_detected_difference_is_said_with_its_interval():
 
 def test_ties_and_single_seeds():
     tied = paired_difference({0: 0.5, 1: 0.6}, {0: 0.5, 1: 0.7})
-    assert tied["differences"] == pytest.approx([0.0, 0.1]) and tied["sign_test_p"] == pytest.approx(1.0)  # tie dropped
+    assert tied["differences"] == pytest.approx([0.0, 0.1]) and tied["sign_test_p"] == pytest.approx(
+        1.0
+    )  # tie dropped
     single = paired_difference({0: 0.5}, {0: 0.7})
     assert single["n"] == 1 and single["ci95"] is None and single["sign_test_p"] == pytest.approx(1.0)
-    assert describe("pre", "post", "accuracy", single) == "pre vs post, accuracy: no difference detected at n=1 (mean difference 20.0)"
+    assert (
+        describe("pre", "post", "accuracy", single)
+        == "pre vs post, accuracy: no difference detected at n=1 (mean difference 20.0)"
+    )
     constant = paired_difference({0: 0.5, 1: 0.5, 2: 0.5}, {0: 0.4, 1: 0.4, 2: 0.4})
     assert constant["ci95"] == pytest.approx([-0.1, -0.1]) and constant["std"] == pytest.approx(0.0, abs=1e-12)
-    assert summarize([1.0, 2.0, 3.0])["ci95"] == pytest.approx([2 - 4.302652729911275 / math.sqrt(3), 2 + 4.302652729911275 / math.sqrt(3)])
+    assert summarize([1.0, 2.0, 3.0])["ci95"] == pytest.approx(
+        [2 - 4.302652729911275 / math.sqrt(3), 2 + 4.302652729911275 / math.sqrt(3)]
+    )

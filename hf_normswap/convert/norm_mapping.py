@@ -16,7 +16,7 @@ A target norm without a source starts at identity (weight 1, bias 0).
 
 from dataclasses import dataclass
 
-from .configuration_normswap import NORM_PLACEMENTS, NormSwapConfig
+from ..model.configuration_normswap import NORM_PLACEMENTS, NormSwapConfig
 
 
 NORM_MAPPINGS = ("shift", "keep", "reset")
@@ -47,7 +47,11 @@ def norm_slots(config: NormSwapConfig) -> list[NormSlot]:
                     continue
                 if index == 0 and slot == "input_norm" and not config.first_attention_input_norm:
                     continue
-                point, kind = {"input_norm": (index, "read"), "output_norm": (index, "branch"), "residual_norm": (index + 1, "write")}[slot]
+                point, kind = {
+                    "input_norm": (index, "read"),
+                    "output_norm": (index, "branch"),
+                    "residual_norm": (index + 1, "write"),
+                }[slot]
                 slots.append(NormSlot(f"{prefix}.{slot}", point, kind, f"sublayer {index}"))
     if config.final_norm:
         slots.append(NormSlot("model.norm", 2 * config.num_hidden_layers, "read", "final"))

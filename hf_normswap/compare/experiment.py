@@ -8,18 +8,32 @@ from pathlib import Path
 import yaml
 from transformers.integrations import is_tensorboard_available, is_trackio_available, is_wandb_available
 
-from .configuration_normswap import NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
-from .norm_mapping import NORM_MAPPINGS
+from ..convert.norm_mapping import NORM_MAPPINGS
+from ..model.configuration_normswap import NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
+from ..tasks import DATA_DIR
 
 
 PLACEMENTS = (*NORM_PLACEMENTS, "mix_ln")
-EXPERIMENTS_DIR = Path(__file__).parent / "data"
+EXPERIMENTS_DIR = DATA_DIR
 DEFAULT_EXPERIMENT = EXPERIMENTS_DIR / "default_experiment.yaml"
 TASK_TYPES = ("sequence-classification", "causal-lm")
 TRACKERS = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "trackio": is_trackio_available}
 VARIANT_SETTINGS = ("learning_rate", "warmup_ratio")  # what `VARIANT@field=value` may pin
 HEAL_SUFFIX = "+heal"  # `pre+heal`: the converted variant is healed before fine-tuning
-HEAL_SETTINGS = ("data", "text_column", "data_dir", "objective", "max_steps", "learning_rate", "batch_size", "max_length", "eval_size", "packing", "dropout", "freeze_embeddings")
+HEAL_SETTINGS = (
+    "data",
+    "text_column",
+    "data_dir",
+    "objective",
+    "max_steps",
+    "learning_rate",
+    "batch_size",
+    "max_length",
+    "eval_size",
+    "packing",
+    "dropout",
+    "freeze_embeddings",
+)
 _PATH_FIELDS = ("model", "tokenizer", "task", "data_dir")  # relative to the experiment file when found there
 
 
@@ -98,7 +112,9 @@ class Experiment:
             if value is None or not kinds:
                 continue
             if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-                raise ValueError(f"{field.name}={value!r} is invalid: expected {' or '.join(k.__name__ for k in kinds)}")
+                raise ValueError(
+                    f"{field.name}={value!r} is invalid: expected {' or '.join(k.__name__ for k in kinds)}"
+                )
         for name, value in self._numbers():
             if not _RULES[name][0](value):
                 raise ValueError(f"{name}={value!r} is invalid: {_RULES[name][1]}")
@@ -118,13 +134,17 @@ class Experiment:
         if unknown:
             raise ValueError(f"heal: unknown settings {unknown}; allowed: {' '.join(HEAL_SETTINGS)}")
         if self.reference is not None and self.reference not in self.variants:
-            raise ValueError(f"reference={self.reference!r} is invalid: it must be one of the variants {self.variants}")
+            raise ValueError(
+                f"reference={self.reference!r} is invalid: it must be one of the variants {self.variants}"
+            )
         _choice("task_type", self.task_type, TASK_TYPES)
         _choice("norm_mapping", self.norm_mapping, NORM_MAPPINGS)
         for tracker in self.report_to:
             _choice("report_to", tracker, ("none", *TRACKERS))
             if tracker in TRACKERS and not TRACKERS[tracker]():
-                raise ValueError(f"report_to={tracker!r} is invalid: {tracker} is not installed (pip install {tracker})")
+                raise ValueError(
+                    f"report_to={tracker!r} is invalid: {tracker} is not installed (pip install {tracker})"
+                )
         if self.model is not None and self.model.endswith(".json") and "native" in self.variants:
             raise ValueError("variant 'native' needs a pretrained checkpoint, not a NormSwap configuration")
 
@@ -145,9 +165,15 @@ class Experiment:
     def grid(self, variant: str) -> list[dict[str, float]]:
         """The (learning rate, warm-up ratio) points a variant may train at; settings the variant pins stay fixed."""
         pinned = split_variant(variant)[1]
-        learning_rates = [pinned["learning_rate"]] if "learning_rate" in pinned else self.learning_rates or [self.learning_rate]
-        warmup_ratios = [pinned["warmup_ratio"]] if "warmup_ratio" in pinned else self.warmup_ratios or [self.warmup_ratio]
-        return [{"learning_rate": lr, "warmup_ratio": wr} for lr, wr in itertools.product(learning_rates, warmup_ratios)]
+        learning_rates = (
+            [pinned["learning_rate"]] if "learning_rate" in pinned else self.learning_rates or [self.learning_rate]
+        )
+        warmup_ratios = (
+            [pinned["warmup_ratio"]] if "warmup_ratio" in pinned else self.warmup_ratios or [self.warmup_ratio]
+        )
+        return [
+            {"learning_rate": lr, "warmup_ratio": wr} for lr, wr in itertools.product(learning_rates, warmup_ratios)
+        ]
 
 
 def _number(name: str, value):
@@ -169,9 +195,24 @@ def _choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name}={value!r} is invalid: allowed are {', '.join(allowed)}")
 
 
-_KINDS = {field: (int,) for field in ("seeds", "search_seeds", "batch_size", "max_length", "max_steps", "max_train_samples", "logging_steps")}
-_KINDS.update({field: (int, float) for field in ("learning_rate", "epochs", "warmup_ratio", "weight_decay", "dev_fraction")})
-_KINDS.update({field: (list,) for field in ("variants", "text_columns", "learning_rates", "warmup_ratios", "report_to")})
+_KINDS = {
+    field: (int,)
+    for field in (
+        "seeds",
+        "search_seeds",
+        "batch_size",
+        "max_length",
+        "max_steps",
+        "max_train_samples",
+        "logging_steps",
+    )
+}
+_KINDS.update(
+    {field: (int, float) for field in ("learning_rate", "epochs", "warmup_ratio", "weight_decay", "dev_fraction")}
+)
+_KINDS.update(
+    {field: (list,) for field in ("variants", "text_columns", "learning_rates", "warmup_ratios", "report_to")}
+)
 _KINDS.update({field: (str,) for field in ("task", "task_type", "label_column", "output", "norm_mapping")})
 _KINDS.update({field: (str,) for field in ("model", "reference", "data_dir", "tokenizer")})
 _KINDS["allow_pickle"] = _KINDS["packing"] = _KINDS["calibrate"] = (bool,)
@@ -207,7 +248,9 @@ def split_variant(variant: str) -> tuple[str, dict[str, float]]:
     for setting in settings:
         field, _, value = setting.partition("=")
         if field not in VARIANT_SETTINGS or not value:
-            raise ValueError(f"variant {variant!r}: after '@' comes field=value, with field one of {', '.join(VARIANT_SETTINGS)}")
+            raise ValueError(
+                f"variant {variant!r}: after '@' comes field=value, with field one of {', '.join(VARIANT_SETTINGS)}"
+            )
         pinned[field] = _number(f"variant {variant!r}: {field}", value)
     return name, pinned
 
@@ -217,7 +260,11 @@ def parse_variant(variant: str) -> tuple[str | None, str | None]:
     if variant == "native":
         return None, None
     placement, _, position = variant.partition(":")
-    if (placement and placement not in PLACEMENTS) or (position and position not in POSITION_EMBEDDING_TYPES) or not (placement or position):
+    if (
+        (placement and placement not in PLACEMENTS)
+        or (position and position not in POSITION_EMBEDDING_TYPES)
+        or not (placement or position)
+    ):
         raise ValueError(
             f"unknown variant {variant!r}: use native, a placement ({', '.join(PLACEMENTS)}) and/or "
             f":POSITION ({', '.join(POSITION_EMBEDDING_TYPES)})"

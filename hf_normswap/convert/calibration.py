@@ -19,11 +19,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .configuration_normswap import NormSwapConfig
+from ..model.configuration_normswap import NormSwapConfig
+from ..model.evaluation_mode import evaluation_mode
 from .norm_mapping import NormSlot, norm_slots
 
 
-def calibrated_sublayers(target: NormSwapConfig, norm_sources: dict[str, str | None], source_slots: list[NormSlot]) -> dict[str, str]:
+def calibrated_sublayers(
+    target: NormSwapConfig, norm_sources: dict[str, str | None], source_slots: list[NormSlot]
+) -> dict[str, str]:
     """The sublayers (e.g. "layers.2.mlp_norms") whose read norm took a norm that wrote the source's stream and whose
     write reaches the stream unnormalised, each with the module its scale goes into (its output projection, or its
     branch norm where it has one); none for a norm type that is not scale-invariant. Read off the configurations."""
@@ -40,7 +43,9 @@ def calibrated_sublayers(target: NormSwapConfig, norm_sources: dict[str, str | N
         sublayer = prefix.removeprefix("model.")
         layer = sublayer.rsplit(".", 1)[0]
         if f"{prefix}.output_norm" not in slots:
-            sublayers[sublayer] = f"{layer}.self_attn.o_proj" if sublayer.endswith("attention_norms") else f"{layer}.mlp.down_proj"
+            sublayers[sublayer] = (
+                f"{layer}.self_attn.o_proj" if sublayer.endswith("attention_norms") else f"{layer}.mlp.down_proj"
+            )
         elif norm_sources[f"{prefix}.output_norm"] is None:
             sublayers[sublayer] = f"{sublayer}.output_norm"
     return sublayers
@@ -49,7 +54,12 @@ def calibrated_sublayers(target: NormSwapConfig, norm_sources: dict[str, str | N
 RIDGE = 1.0  # times the mean diagonal of the write inputs' Gram matrix; chosen on held-out training text (README)
 
 
-def fitted_sources(target: NormSwapConfig, norm_sources: dict[str, str | None], source_slots: list[NormSlot], sublayers: dict[str, str]) -> dict[str, str]:
+def fitted_sources(
+    target: NormSwapConfig,
+    norm_sources: dict[str, str | None],
+    source_slots: list[NormSlot],
+    sublayers: dict[str, str],
+) -> dict[str, str]:
     """For each sublayer of `sublayers` whose write is a linear layer: the source norm (a norm that wrote the source's
     stream) that the next norm reading the stream took; its input is what the refitted write aims at."""
     writes = {slot.name for slot in source_slots if slot.kind == "write"}
@@ -57,7 +67,11 @@ def fitted_sources(target: NormSwapConfig, norm_sources: dict[str, str | None], 
     sources = {}
     for slot, following in zip(slots, slots[1:]):
         sublayer = slot.name.removeprefix("model.").removesuffix(".input_norm")
-        if sublayers.get(sublayer, "").endswith("_proj") and following.kind == "read" and norm_sources[following.name] in writes:
+        if (
+            sublayers.get(sublayer, "").endswith("_proj")
+            and following.kind == "read"
+            and norm_sources[following.name] in writes
+        ):
             sources[sublayer] = norm_sources[following.name]
     return sources
 
@@ -95,20 +109,31 @@ def _bias(norm: nn.Module) -> torch.Tensor | None:
     return getattr(norm, "bias", None)
 
 
-def _refit(writer: nn.Linear, inputs: torch.Tensor, stream: torch.Tensor, target: torch.Tensor, norm: nn.Module) -> tuple[float, float]:
+def _refit(
+    writer: nn.Linear, inputs: torch.Tensor, stream: torch.Tensor, target: torch.Tensor, norm: nn.Module
+) -> tuple[float, float]:
     """Refits `writer` in place so that stream + writer(inputs), as `norm` sees it, lies along `target` token by token
     (each token keeping the length the current write gives it); rows are real tokens. Returns the relative error
     before and after."""
     inputs, stream, target = inputs.double(), _centred(stream.double(), norm), _centred(target.double(), norm)
     if writer.bias is not None:
         inputs = torch.cat([inputs, inputs.new_ones(len(inputs), 1)], dim=1)
-    current = writer.weight.double().T if writer.bias is None else torch.cat([writer.weight.double().T, writer.bias.double()[None]])
+    current = (
+        writer.weight.double().T
+        if writer.bias is None
+        else torch.cat([writer.weight.double().T, writer.bias.double()[None]])
+    )
     reached = _centred(stream + inputs @ current, norm)
-    wanted = target * (reached * target).sum(-1, keepdim=True) / target.pow(2).sum(-1, keepdim=True).clamp_min(1e-12) - stream
+    wanted = (
+        target * (reached * target).sum(-1, keepdim=True) / target.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
+        - stream
+    )
     gram = inputs.T @ inputs
     ridge = RIDGE * gram.diagonal().mean()
     prior = _centred(current, norm)  # the part of the write that the norm sees
-    fitted = torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype), inputs.T @ wanted + ridge * prior)
+    fitted = torch.linalg.solve(
+        gram + ridge * torch.eye(len(gram), dtype=gram.dtype), inputs.T @ wanted + ridge * prior
+    )
     fitted = fitted + current - prior
 
     def error(weights: torch.Tensor) -> float:
@@ -170,12 +195,10 @@ def calibrate_writes(
             hooks.append(base.get_submodule(written).register_forward_pre_hook(scale_branch_norm))
         elif name in targets:
             hooks.append(base.get_submodule(written).register_forward_hook(refit_write(name)))
-    was_training = model.training
-    model.eval()
     try:
-        base(**batch)
+        with evaluation_mode(model):
+            base(**batch)
     finally:
-        model.train(was_training)
         for hook in hooks:
             hook.remove()
     return scales, errors

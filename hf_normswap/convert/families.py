@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedConfig
 
-from .configuration_normswap import NormSwapConfig, rope_parameters_by_layer_type
-from .heads import head_of_architecture
+from ..model.configuration_normswap import NormSwapConfig, rope_parameters_by_layer_type
+from ..model.heads import head_of_architecture
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,9 @@ class Family:
     base_prefixes: tuple[str, ...]
     renames: tuple[tuple[str, str], ...]
     dropped: tuple[str, ...]
-    fields: Callable[[PreTrainedConfig], dict] | None  # NormSwap fields computing what a source computes (None: NormSwap)
+    fields: (
+        Callable[[PreTrainedConfig], dict] | None
+    )  # NormSwap fields computing what a source computes (None: NormSwap)
     causal: bool = False  # causal LMs: verified in causal mode, tokenizers get a pad token, swaps scored by perplexity
     transposed: tuple[str, ...] = ()  # source tensors stored (in, out), as GPT-2's Conv1D: transposed on the way
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # a fused NormSwap name part -> its equal parts (dim 0)
@@ -253,6 +255,7 @@ def _olmo2_fields(source: PreTrainedConfig) -> dict:
         attention_output_bias=source.attention_bias,
         mlp_bias=False,
     )
+
 
 def _distilbert_fields(source: PreTrainedConfig) -> dict:
     return dict(

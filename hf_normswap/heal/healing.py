@@ -40,27 +40,30 @@ from transformers import (
     TrainingArguments,
 )
 
-from .checkpoint import check_output, output_folder
-from .collapse import POOLINGS, boundary_states, collapse_of_states, pool
-from .convert import ConversionError, copy_tokenizer_files, load_unswapped
-from .heads import HEAD_CLASSES, head_of_config
-from .packing import pack_padded, unpack
-from .swap_effect import mask_every_sixth
-from .tasks import GLUE_TASKS, load_task
+from ..checkpoint import check_output, copy_tokenizer_files, output_folder
+from ..convert import ConversionError, load_unswapped
+from ..model import copy_remote_code
+from ..model.heads import HEAD_CLASSES, head_of_config
+from ..model.packing import pack_padded, unpack
+from ..probes.collapse import POOLINGS, boundary_states, collapse_of_states, pool
+from ..probes.probe_data import mask_every_sixth
+from ..tasks import GLUE_TASKS, load_task
+from .options import OBJECTIVES, HealError
 
 
-OBJECTIVES = ("hidden", "cka", "similarity", "mlm")
 DEFAULTS = dict(
-    data="sst2-sample", objective="similarity", max_steps=700, learning_rate=5e-4, batch_size=32, max_length=128, packing=True,
-    dropout=False, freeze_embeddings=True,
+    data="sst2-sample",
+    objective="similarity",
+    max_steps=700,
+    learning_rate=5e-4,
+    batch_size=32,
+    max_length=128,
+    packing=True,
+    dropout=False,
+    freeze_embeddings=True,
 )
 DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "classifier_dropout")
 EVAL_SIZE = 256
-_CODE_DIR = Path(__file__).parent
-
-
-class HealError(ValueError):
-    """A healing that cannot be done, said in one line."""
 
 
 def _normalised(states: torch.Tensor) -> torch.Tensor:
@@ -121,8 +124,10 @@ class HealTrainer(Trainer):
         if labels is not None:  # masked-LM distillation on the masked tokens
             masked = labels != -100
             loss = loss + F.kl_div(
-                F.log_softmax(student.logits[masked].float(), -1), F.log_softmax(teacher.logits[masked].float(), -1),
-                log_target=True, reduction="batchmean",
+                F.log_softmax(student.logits[masked].float(), -1),
+                F.log_softmax(teacher.logits[masked].float(), -1),
+                log_target=True,
+                reduction="batchmean",
             )
         return (loss, student) if return_outputs else loss
 
@@ -150,8 +155,17 @@ def measure(student: torch.nn.Module, batches: list[dict], teacher_states: list[
         real = batch["attention_mask"].bool()
         student_states = boundary_states(student, batch)
         teacher = [t.to(student.device) for t in teacher]
-        cosines.append(torch.stack([F.cosine_similarity(s[real].float(), t[real].float(), dim=-1).sum() for s, t in zip(student_states, teacher)]))
-        errors.append(torch.stack([(s[real] - t[real]).pow(2).mean(-1).sum() for s, t in _comparable(student_states, teacher)]))
+        cosines.append(
+            torch.stack(
+                [
+                    F.cosine_similarity(s[real].float(), t[real].float(), dim=-1).sum()
+                    for s, t in zip(student_states, teacher)
+                ]
+            )
+        )
+        errors.append(
+            torch.stack([(s[real] - t[real]).pow(2).mean(-1).sum() for s, t in _comparable(student_states, teacher)])
+        )
         states.append(student_states)
     student.train(was_training)
     tokens = sum(batch["attention_mask"].sum().item() for batch in batches)
@@ -189,7 +203,9 @@ class HealProbeCallback(TrainerCallback):
             self.history.append({"step": state.global_step, **last})
 
 
-def load_texts(data: str, text_column: str | None = None, data_dir: str | None = None) -> tuple[Dataset, Dataset, list[str]]:
+def load_texts(
+    data: str, text_column: str | None = None, data_dir: str | None = None
+) -> tuple[Dataset, Dataset, list[str]]:
     """Training and held-out text from `data`: `sst2-sample`, a GLUE task name, a local .txt (one text a line), CSV or
     JSON-lines file, or a datasets hub id; returns (train, held_out, text columns)."""
     if data == "sst2-sample" or data in GLUE_TASKS:
@@ -229,7 +245,9 @@ def load_texts(data: str, text_column: str | None = None, data_dir: str | None =
 def _tokenize(rows: Dataset, columns: list[str], tokenizer, max_length: int, name: str) -> Dataset:
     """Token ids of the texts, dropping rows that hold no token besides special ones."""
     encoded = rows.map(
-        lambda batch: tokenizer(*(batch[c] for c in columns), truncation=True, max_length=max_length, return_special_tokens_mask=True),
+        lambda batch: tokenizer(
+            *(batch[c] for c in columns), truncation=True, max_length=max_length, return_special_tokens_mask=True
+        ),
         batched=True,
         remove_columns=rows.column_names,
     )
@@ -281,7 +299,12 @@ def heal_checkpoint(
         raise HealError(f"objective={objective!r} is invalid: allowed are {list(OBJECTIVES)}")
     if not isinstance(max_steps, int) or max_steps < 1:
         raise HealError(f"max_steps={max_steps!r} is invalid: at least 1")
-    for name, value in (("learning_rate", learning_rate), ("batch_size", batch_size), ("max_length", max_length), ("eval_size", eval_size)):
+    for name, value in (
+        ("learning_rate", learning_rate),
+        ("batch_size", batch_size),
+        ("max_length", max_length),
+        ("eval_size", eval_size),
+    ):
         if not value > 0:
             raise HealError(f"{name}={value!r} is invalid: must be positive")
     check_output(output, overwrite)
@@ -315,7 +338,10 @@ def heal_checkpoint(
     train = _tokenize(train, columns, tokenizer, max_length, data)
     held_out = _tokenize(held_out.select(range(min(eval_size, len(held_out)))), columns, tokenizer, max_length, data)
     pad = DataCollatorWithPadding(tokenizer)
-    batches = [pad([held_out[i] for i in range(start, min(start + batch_size, len(held_out)))]) for start in range(0, len(held_out), batch_size)]
+    batches = [
+        pad([held_out[i] for i in range(start, min(start + batch_size, len(held_out)))])
+        for start in range(0, len(held_out), batch_size)
+    ]
     batches = [dict(batch) for batch in batches]
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if mlm else pad
 
@@ -347,8 +373,14 @@ def heal_checkpoint(
             use_cpu=not torch.accelerator.is_available(),
         )
         trainer = HealTrainer(
-            model=student, args=args, train_dataset=train, data_collator=collator, teacher=teacher_model,
-            objective=objective, packing=packing, callbacks=[probe],
+            model=student,
+            args=args,
+            train_dataset=train,
+            data_collator=collator,
+            teacher=teacher_model,
+            objective=objective,
+            packing=packing,
+            callbacks=[probe],
         )
         resume = checkpoint_dir is not None and any(work.glob("checkpoint-*"))
         started = time.perf_counter()
@@ -370,7 +402,9 @@ def heal_checkpoint(
             "seconds": seconds,
             "resumed": resume,
             "teacher_collapse": teacher_collapse,
-            "masked_lm_loss": None if not teacher_mlm else {
+            "masked_lm_loss": None
+            if not teacher_mlm
+            else {
                 "teacher": masked_lm_loss(teacher_model, batches, tokenizer),
                 "before": masked_lm_before,
                 "after": masked_lm_loss(student, batches, tokenizer),
@@ -389,9 +423,11 @@ def heal_checkpoint(
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
     if log:
         last_before, last_after = report["before"][-1], report["after"][-1]
-        log(f"healed in {seconds:.0f} s: token cosine to the teacher {last_before['token_cosine']:.4f} -> "
+        log(
+            f"healed in {seconds:.0f} s: token cosine to the teacher {last_before['token_cosine']:.4f} -> "
             f"{last_after['token_cosine']:.4f}, first-token collapse {last_before['collapse_first_token']:.4f} -> "
-            f"{last_after['collapse_first_token']:.4f} (teacher {report['teacher_collapse']['first_token'][-1]:.4f})")
+            f"{last_after['collapse_first_token']:.4f} (teacher {report['teacher_collapse']['first_token'][-1]:.4f})"
+        )
         log(f"wrote {output}")
     return report
 
@@ -399,7 +435,7 @@ def heal_checkpoint(
 def _load_student(folder: Path, dropout: bool) -> tuple[torch.nn.Module, dict]:
     """The variant with its own head class in float32 (without dropout unless `dropout`), and its configured dropout;
     refused if it is not a NormSwap checkpoint."""
-    from .configuration_normswap import NormSwapConfig
+    from ..model.configuration_normswap import NormSwapConfig
 
     try:
         config = NormSwapConfig.from_pretrained(folder)
@@ -418,24 +454,40 @@ def _save(student: torch.nn.Module, source: Path, staging: Path, report: dict) -
     at_load = set(conversion["weights"]["initialized_at_load"]) if conversion else set()
     state = {name: tensor for name, tensor in student.state_dict().items() if name not in at_load}
     student.save_pretrained(staging, state_dict=state)
-    for code in ("configuration_normswap.py", "modeling_normswap.py"):
-        shutil.copy(_CODE_DIR / code, staging / code)
+    copy_remote_code(staging)
     copy_tokenizer_files(source, staging)
     if conversion:
-        conversion["heal"] = {key: report[key] for key in ("teacher", "data", "objective", "steps", "learning_rate", "seconds")}
+        conversion["heal"] = {
+            key: report[key] for key in ("teacher", "data", "objective", "steps", "learning_rate", "seconds")
+        }
         conversion["heal"].update(before=report["before"][-1], after=report["after"][-1])
         (staging / "conversion.json").write_text(json.dumps(conversion, indent=2) + "\n")
 
 
 def _plot(report: dict, path: Path) -> None:
-    from .plots import plt
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     steps = [entry["step"] for entry in report["history"]]
     figure, axis = plt.subplots(figsize=(6, 4))
     axis.plot(steps, [e["token_cosine"] for e in report["history"]], marker=".", label="token cosine to the teacher")
     for pooling, style in zip(POOLINGS, ("-", "--")):
-        axis.plot(steps, [e[f"collapse_{pooling}"] for e in report["history"]], style, marker=".", label=f"collapse ({pooling})")
-        axis.axhline(report["teacher_collapse"][pooling][-1], color="gray", linestyle=style, linewidth=0.8, label=f"teacher collapse ({pooling})")
+        axis.plot(
+            steps,
+            [e[f"collapse_{pooling}"] for e in report["history"]],
+            style,
+            marker=".",
+            label=f"collapse ({pooling})",
+        )
+        axis.axhline(
+            report["teacher_collapse"][pooling][-1],
+            color="gray",
+            linestyle=style,
+            linewidth=0.8,
+            label=f"teacher collapse ({pooling})",
+        )
     axis.set(xlabel="healing step", ylabel="final output, held-out text", title=f"Healing ({report['objective']})")
     axis.legend(fontsize=7)
     figure.tight_layout()

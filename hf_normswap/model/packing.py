@@ -24,11 +24,17 @@ class DataCollatorWithPacking:
         lengths = [len(feature["input_ids"]) for feature in features]
         for index, feature in enumerate(features):
             if 0 in feature.get("attention_mask", ()):
-                raise ValueError(f"DataCollatorWithPacking: example {index} is padded; pack examples tokenized without padding")
+                raise ValueError(
+                    f"DataCollatorWithPacking: example {index} is padded; pack examples tokenized without padding"
+                )
         rows = first_fit_decreasing(lengths, max(lengths))
         shape = (len(rows), max(lengths))
         batch = {"seq_idx": torch.full(shape, -1), "position_ids": torch.zeros(shape, dtype=torch.long)}
-        per_token = [key for key in features[0] if key != "attention_mask" and all(_length(f[key]) == n for f, n in zip(features, lengths))]
+        per_token = [
+            key
+            for key in features[0]
+            if key != "attention_mask" and all(_length(f[key]) == n for f, n in zip(features, lengths))
+        ]
         fill = {"input_ids": self.pad_token_id, "labels": -100}
         for key in per_token:
             batch[key] = torch.full(shape, fill.get(key, 0), dtype=torch.as_tensor(features[0][key]).dtype)

@@ -5,7 +5,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .collapse import report_lines as collapse_lines, summarize_runs as collapse_summary
+from ..probes.collapse import COLLAPSE_MARGIN, POOLINGS
 from .plots import write_plots
 from .statistics import describe, paired_difference, summarize
 
@@ -25,7 +25,7 @@ def write_report(output: Path, experiment, task, results: list[dict], search: di
             "failed_runs": sum(r["failed"] for r in runs),
             "runs": len(runs),
             "settings": runs[0]["point"],
-            "collapse": collapse_summary(runs),
+            "collapse": summarize_collapse(runs),
             "heal": runs[0].get("heal"),
         }
     reference = experiment.reference_variant
@@ -35,7 +35,9 @@ def write_report(output: Path, experiment, task, results: list[dict], search: di
             continue
         paired[variant] = {}
         for name in ["loss", *metric_names]:
-            by_seed = {v: {r["seed"]: r["metrics"][name] for r in results if r["variant"] == v} for v in (reference, variant)}
+            by_seed = {
+                v: {r["seed"]: r["metrics"][name] for r in results if r["variant"] == v} for v in (reference, variant)
+            }
             difference = paired_difference(by_seed[reference], by_seed[variant])
             paired[variant][name] = {**difference, "sentence": describe(variant, reference, name, difference)}
     if experiment.task_type == "causal-lm":
@@ -77,11 +79,15 @@ def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
     else:
         settings = f"learning rate {experiment['learning_rate']}, warm-up ratio {experiment['warmup_ratio']}"
     if task.get("type") == "causal-lm":
-        failure = (f"A run has failed when its final validation loss is no better than that of the training tokens' "
-                   f"frequencies (unigram loss {task['unigram_loss']:.4f}) or is not finite.")
+        failure = (
+            f"A run has failed when its final validation loss is no better than that of the training tokens' "
+            f"frequencies (unigram loss {task['unigram_loss']:.4f}) or is not finite."
+        )
     else:
-        failure = (f"A run has failed when its final {task['metric']} metric is no better than the majority-class "
-                   f"baseline ({task['majority_baseline']:.4f}; Mosbach et al. 2021).")
+        failure = (
+            f"A run has failed when its final {task['metric']} metric is no better than the majority-class "
+            f"baseline ({task['majority_baseline']:.4f}; Mosbach et al. 2021)."
+        )
     lines = [
         "# NormSwap comparison",
         "",
@@ -100,26 +106,69 @@ def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
     ]
     for variant, summary in document["summary"].items():
         cells = [_cell(summary["metrics"][name]) for name in ["loss", *metric_names]]
-        lines.append(f"| {variant} | {_settings(summary['settings'])} | " + " | ".join(cells)
-                     + f" | {summary['failed_runs']} / {summary['runs']} |")
+        lines.append(
+            f"| {variant} | {_settings(summary['settings'])} | "
+            + " | ".join(cells)
+            + f" | {summary['failed_runs']} / {summary['runs']} |"
+        )
     lines += _paired_markdown(document["paired"], metric_names)
     if search:
         lines += _search_markdown(search)
     lines += [""]
-    lines += collapse_lines(document["summary"])
+    lines += collapse_report_lines(document["summary"])
     lines += _healing_lines(document["summary"])
     lines += ["## Plots", ""]
     lines += [f"![{name}]({name})" for name in plots]
-    lines += ["", "## Runs", "", "| variant | seed | " + " | ".join(metric_names) + " | resumed |", "|---|---|" + "---|" * (len(metric_names) + 1)]
+    lines += [
+        "",
+        "## Runs",
+        "",
+        "| variant | seed | " + " | ".join(metric_names) + " | resumed |",
+        "|---|---|" + "---|" * (len(metric_names) + 1),
+    ]
     for run in document["runs"]:
         values = " | ".join(f"{run['metrics'][name]:.4f}" for name in metric_names)
         lines.append(f"| {run['variant']} | {run['seed']} | {values} | {run['resumed']} |")
     lines += ["", "## Configuration of each run", ""]
     for run in document["runs"]:
-        model = {k: run["model_config"].get(k) for k in ("model_type", "norm_placement", "position_embedding_type", "norm_type", "num_hidden_layers", "hidden_size", "is_causal")}
-        training = {k: run["training_arguments"][k] for k in ("learning_rate", "per_device_train_batch_size", "num_train_epochs", "max_steps", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "data_seed", "lr_scheduler_type", "optim")}
-        lines += [f"<details><summary>{run['variant']}, seed {run['seed']}</summary>", "", "```json",
-                  json.dumps({"model": model, "training": training}, indent=1), "```", "", "</details>", ""]
+        model = {
+            k: run["model_config"].get(k)
+            for k in (
+                "model_type",
+                "norm_placement",
+                "position_embedding_type",
+                "norm_type",
+                "num_hidden_layers",
+                "hidden_size",
+                "is_causal",
+            )
+        }
+        training = {
+            k: run["training_arguments"][k]
+            for k in (
+                "learning_rate",
+                "per_device_train_batch_size",
+                "num_train_epochs",
+                "max_steps",
+                "warmup_steps",
+                "weight_decay",
+                "max_grad_norm",
+                "seed",
+                "data_seed",
+                "lr_scheduler_type",
+                "optim",
+            )
+        }
+        lines += [
+            f"<details><summary>{run['variant']}, seed {run['seed']}</summary>",
+            "",
+            "```json",
+            json.dumps({"model": model, "training": training}, indent=1),
+            "```",
+            "",
+            "</details>",
+            "",
+        ]
     lines.append("Full model configurations, training arguments and every logged step are in `results.json`.")
     return "\n".join(lines) + "\n"
 
@@ -165,8 +214,10 @@ def _search_markdown(search: dict) -> list[str]:
     for variant, found in search["variants"].items():
         for point in found["points"]:
             chosen = all(point[k] == v for k, v in found["chosen"].items())
-            lines.append(f"| {variant} | {found['metric']} | {point['learning_rate']:g} | {point['warmup_ratio']:g} | "
-                         f"{point['dev_score']:.4f} | {'**yes**' if chosen else ''} |")
+            lines.append(
+                f"| {variant} | {found['metric']} | {point['learning_rate']:g} | {point['warmup_ratio']:g} | "
+                f"{point['dev_score']:.4f} | {'**yes**' if chosen else ''} |"
+            )
     return lines
 
 
@@ -191,4 +242,45 @@ def _healing_lines(summary: dict) -> list[str]:
             + f" | {before['token_cosine']:.4f} → {after['token_cosine']:.4f} | {before['collapse_first_token']:.4f} → "
             f"{after['collapse_first_token']:.4f} ({heal['teacher_collapse']['first_token'][-1]:.4f}) |"
         )
+    return lines + [""]
+
+
+def summarize_collapse(runs: list[dict]) -> dict | None:
+    """A variant's final-output collapse figures in a comparison (means over seeds): its source's, at the start and
+    at the end of fine-tuning, and whether the start is flagged; None without diagnostics or source."""
+    runs = [run for run in runs if run.get("source_collapse") and "collapse" in run["diagnostics"][0]]
+    if not runs:
+        return None
+    ends = [next(r["collapse"] for r in reversed(run["diagnostics"]) if "collapse" in r) for run in runs]
+
+    def mean_last(profiles: list[dict]) -> dict[str, float]:
+        return {p: sum(profile[p][-1] for profile in profiles) / len(profiles) for p in POOLINGS}
+
+    summary = {
+        "source": mean_last([run["source_collapse"] for run in runs]),
+        "start": mean_last([run["diagnostics"][0]["collapse"] for run in runs]),
+        "end": mean_last(ends),
+    }
+    summary["flagged"] = any(summary["start"][p] > summary["source"][p] + COLLAPSE_MARGIN for p in POOLINGS)
+    return summary
+
+
+def collapse_report_lines(summary: dict) -> list[str]:
+    """The comparison report's collapse section."""
+    rows = {variant: s["collapse"] for variant, s in summary.items() if s.get("collapse")}
+    if not rows:
+        return []
+    lines = [
+        "## Collapse",
+        "",
+        "Mean pairwise cosine between the first-token / mean-pooled final outputs of the diagnostics probe "
+        "(1.0: every input gets the same vector), means over seeds. A variant that starts fine-tuning more than "
+        f"{COLLAPSE_MARGIN} above its source is flagged: its runs measure a broken model, not the placement.",
+        "",
+        "| variant | source | start of fine-tuning | end of fine-tuning | flag |",
+        "|---|---|---|---|---|",
+    ]
+    for variant, figures in rows.items():
+        cells = [" / ".join(f"{figures[when][p]:.3f}" for p in POOLINGS) for when in ("source", "start", "end")]
+        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {'**collapsed**' if figures['flagged'] else ''} |")
     return lines + [""]

@@ -6,6 +6,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from ..model.evaluation_mode import evaluation_mode
 from .collapse import collapse_profile
 
 
@@ -45,7 +46,11 @@ def residual_rms(model: torch.nn.Module, batch: dict, num_layers: int, backward:
         captured.append(tensor[0] if isinstance(tensor, tuple) else tensor)
 
     layers = _layers(model, num_layers)
-    hooks = [layers[0].register_forward_pre_hook(lambda module, args, kwargs: record(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)]
+    hooks = [
+        layers[0].register_forward_pre_hook(
+            lambda module, args, kwargs: record(args[0] if args else kwargs["hidden_states"]), with_kwargs=True
+        )
+    ]
     hooks += [layer.register_forward_hook(lambda module, args, output: record(output)) for layer in layers]
     try:
         with torch.set_grad_enabled(backward):
@@ -78,12 +83,11 @@ class DiagnosticsCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.records:  # resumed: the measurement at initialisation is already there
             return
-        model.eval()
-        rms = residual_rms(model, self._probe(model), self.num_layers, backward=True)
-        self.records.append({"step": 0, **layer_gradient_norms(model, self.num_layers), "residual_rms": rms})
-        self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
-        model.zero_grad(set_to_none=True)
-        model.train()
+        with evaluation_mode(model):
+            rms = residual_rms(model, self._probe(model), self.num_layers, backward=True)
+            self.records.append({"step": 0, **layer_gradient_norms(model, self.num_layers), "residual_rms": rms})
+            self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
+            model.zero_grad(set_to_none=True)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if (state.global_step + 1) % args.logging_steps == 0:
@@ -92,11 +96,9 @@ class DiagnosticsCallback(TrainerCallback, ExportableState):
     def on_log(self, args, state, control, model=None, logs=None, **kwargs):
         if not self.records or self.records[-1]["step"] != state.global_step or "residual_rms" in self.records[-1]:
             return
-        was_training = model.training
-        model.eval()
-        self.records[-1]["residual_rms"] = residual_rms(model, self._probe(model), self.num_layers)
-        self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
-        model.train(was_training)
+        with evaluation_mode(model):
+            self.records[-1]["residual_rms"] = residual_rms(model, self._probe(model), self.num_layers)
+            self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
 
     def _probe(self, model) -> dict:
         device = next(model.parameters()).device

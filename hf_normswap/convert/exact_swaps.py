@@ -11,7 +11,7 @@ Any other swap is approximate: `convert` measures and reports how far it moved t
 
 import torch
 
-from .configuration_normswap import NormSwapConfig
+from ..model.configuration_normswap import NormSwapConfig
 
 
 # Heads whose layers reading the final norm have a bias to fold the norm's bias into, by their classifier head.
@@ -22,7 +22,9 @@ _FINAL_NORM_READERS = {
 }
 
 
-def plan_exact_swap(plain: NormSwapConfig, target: NormSwapConfig, head: str, norm_sources: dict) -> tuple[str | None, dict]:
+def plan_exact_swap(
+    plain: NormSwapConfig, target: NormSwapConfig, head: str, norm_sources: dict
+) -> tuple[str | None, dict]:
     """The exact swap from `plain` to `target` ("post<->deepnorm" or "layernorm->rmsnorm"), or None, and the target
     configuration fields it needs (biases to fold norm biases into, an untied LM head)."""
     if any(goal != source for goal, source in norm_sources.items()):
@@ -44,7 +46,11 @@ def plan_exact_swap(plain: NormSwapConfig, target: NormSwapConfig, head: str, no
         return None, {}
     if head in _FINAL_NORM_READERS:
         reader = _FINAL_NORM_READERS[head](plain)[0]
-        bias_field = {"classifier": "classifier_bias", "pooler.dense": "head_dense_bias", "head.dense": "head_dense_bias"}
+        bias_field = {
+            "classifier": "classifier_bias",
+            "pooler.dense": "head_dense_bias",
+            "head.dense": "head_dense_bias",
+        }
         fields = {bias_field[reader]: True} if plain.norm_bias and reader in bias_field else {}
     elif plain.norm_bias:  # the base model's output and the bias-free LM head cannot take the final norm's bias
         return None, {}
@@ -60,7 +66,9 @@ def keeps_last_hidden_state(kind: str | None, head: str) -> bool:
     return not (kind == "layernorm->rmsnorm" and head in _FINAL_NORM_READERS)
 
 
-def apply_exact_swap(kind: str, state: dict[str, torch.Tensor], plain: NormSwapConfig, target: NormSwapConfig, head: str) -> dict:
+def apply_exact_swap(
+    kind: str, state: dict[str, torch.Tensor], plain: NormSwapConfig, target: NormSwapConfig, head: str
+) -> dict:
     """Rewrites `state` (names as in a `NormSwapFor...` model, body under `model.`) for the exact swap `kind`."""
     if kind == "post<->deepnorm":
         return _rescale_branches(state, plain, target)
@@ -98,7 +106,9 @@ def _layernorm_to_rmsnorm(state, target, head):
             if bias in state:
                 state[bias] = state[bias] - state[bias].mean()
         mlp_inputs = ("gate_proj", "up_proj") if target.mlp_type == "glu" else ("up_proj",)
-        readers[f"{prefix}.attention_norms.input_norm"] = [f"{prefix}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        readers[f"{prefix}.attention_norms.input_norm"] = [
+            f"{prefix}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")
+        ]
         readers[f"{prefix}.mlp_norms.input_norm"] = [f"{prefix}.mlp.{p}" for p in mlp_inputs]
     for norm, linears in readers.items():
         gain, shift = state.pop(f"{norm}.weight"), state.pop(f"{norm}.bias", None)

@@ -18,11 +18,11 @@ from transformers import (
     Olmo2Config,
 )
 
-from .checkpoint import output_folder
-from .configuration_normswap import LAYER_TYPES, NormSwapConfig, rope_parameters_by_layer_type
-from .convert import ConversionError, copy_tokenizer_files, resolve_source
+from ..checkpoint import copy_tokenizer_files, output_folder, resolve_source
+from ..model.configuration_normswap import LAYER_TYPES, NormSwapConfig, rope_parameters_by_layer_type
+from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
+from .converter import ConversionError
 from .families import BERT, DISTILBERT, ELECTRA, GEMMA, GPT2, LLAMA, MODERNBERT, OLMO2, Family
-from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
 
 
 def _placements(config):
@@ -42,7 +42,9 @@ _MHA = ("num_key_value_heads", "num_attention_heads", _same("num_key_value_heads
 _HEAD_DIM = (
     "head_dim",
     "hidden_size // num_attention_heads",
-    lambda c: "hidden_size // num_attention_heads" if c.head_dim * c.num_attention_heads == c.hidden_size else c.head_dim,
+    lambda c: (
+        "hidden_size // num_attention_heads" if c.head_dim * c.num_attention_heads == c.hidden_size else c.head_dim
+    ),
 )
 _PLAIN_ATTENTION = (  # what BERT, LLaMA, GPT-2 and OLMo 2 cannot represent
     ("query_pre_attn_scalar", None, None),
@@ -50,8 +52,11 @@ _PLAIN_ATTENTION = (  # what BERT, LLaMA, GPT-2 and OLMo 2 cannot represent
     ("final_logit_softcapping", None, None),
     ("embedding_multiplier", 1.0, None),
 )
-_FLAT_ROPE = ("rope_parameters", "one dict for all layers", lambda c: "one dict for all layers"
-              if not rope_parameters_by_layer_type(c.rope_parameters) else c.rope_parameters)
+_FLAT_ROPE = (
+    "rope_parameters",
+    "one dict for all layers",
+    lambda c: "one dict for all layers" if not rope_parameters_by_layer_type(c.rope_parameters) else c.rope_parameters,
+)
 _SAME_EMBEDDING_SIZE = ("embedding_size", "hidden_size", _same("embedding_size", "hidden_size"))
 _DEFAULT_HEADS = (  # what only ModernBERT's head layout uses
     ("first_attention_input_norm", True, None),
@@ -60,6 +65,7 @@ _DEFAULT_HEADS = (  # what only ModernBERT's head layout uses
     ("head_dense_bias", True, None),
     ("decoder_bias", True, None),
 )
+
 
 def _changed(needs: tuple, *rows: tuple) -> tuple:
     """`needs` with each of `rows` in place of the row of its field, or added at the end when the field is new."""
@@ -116,7 +122,11 @@ _MODERNBERT_NEEDS = (
     _HEAD_DIM,
     _SAME_EMBEDDING_SIZE,
     ("type_vocab_size", 0, None),
-    ("classifier_pooling", "cls or mean", lambda c: "cls or mean" if c.classifier_pooling in ("cls", "mean") else c.classifier_pooling),
+    (
+        "classifier_pooling",
+        "cls or mean",
+        lambda c: "cls or mean" if c.classifier_pooling in ("cls", "mean") else c.classifier_pooling,
+    ),
     # its masked-LM head uses classifier_activation
     ("classifier_activation", "hidden_act", _same("classifier_activation", "hidden_act")),
     ("classifier_norm", True, None),
@@ -152,7 +162,11 @@ _GPT2_NEEDS = _changed(
     ("type_vocab_size", 0, None),
     ("classifier_pooling", "last", None),
     ("classifier_bias", False, None),
-    ("query_pre_attn_scalar", "None or 1", lambda c: "None or 1" if c.query_pre_attn_scalar in (None, 1) else c.query_pre_attn_scalar),
+    (
+        "query_pre_attn_scalar",
+        "None or 1",
+        lambda c: "None or 1" if c.query_pre_attn_scalar in (None, 1) else c.query_pre_attn_scalar,
+    ),
     _SAME_EMBEDDING_SIZE,
 )
 _GEMMA_NEEDS = (
@@ -166,9 +180,20 @@ _GEMMA_NEEDS = (
     ("mlp_bias", False, None),
     ("attention_output_bias", "attention_bias", _same("attention_output_bias", "attention_bias")),
     ("type_vocab_size", 0, None),
-    ("embedding_multiplier", "sqrt(hidden_size)", lambda c: "sqrt(hidden_size)" if c.embedding_multiplier == c.hidden_size**0.5 else c.embedding_multiplier),
-    ("query_pre_attn_scalar", "None or a whole number", lambda c: "None or a whole number"
-     if c.query_pre_attn_scalar is None or float(c.query_pre_attn_scalar).is_integer() else c.query_pre_attn_scalar),
+    (
+        "embedding_multiplier",
+        "sqrt(hidden_size)",
+        lambda c: "sqrt(hidden_size)" if c.embedding_multiplier == c.hidden_size**0.5 else c.embedding_multiplier,
+    ),
+    (
+        "query_pre_attn_scalar",
+        "None or a whole number",
+        lambda c: (
+            "None or a whole number"
+            if c.query_pre_attn_scalar is None or float(c.query_pre_attn_scalar).is_integer()
+            else c.query_pre_attn_scalar
+        ),
+    ),
     _SAME_EMBEDDING_SIZE,
     *_DEFAULT_HEADS,
 )
@@ -397,7 +422,7 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     model = HEAD_CLASSES[head].from_pretrained(folder)
     ours = model.state_dict()
     extra = {"add_pooling_layer": False} if family is BERT and head == "base" else {}
-    native = (BertModel(target_config, **extra) if extra else NATIVE_AUTO_CLASSES[head].from_config(target_config))
+    native = BertModel(target_config, **extra) if extra else NATIVE_AUTO_CLASSES[head].from_config(target_config)
     native = native.to(next(model.parameters()).dtype)
     state = {}
     for name in native.state_dict():

@@ -11,13 +11,12 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoConfig
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
-from .checkpoint import output_folder, weight_files
-from .configuration_normswap import NormSwapConfig
-from .convert import TOKENIZER_FILES
-from .heads import NATIVE_AUTO_CLASSES, head_of_config
+from ..checkpoint import TOKENIZER_FILES, output_folder, weight_files
+from ..model import REMOTE_CODE_FILES
+from ..model.configuration_normswap import NormSwapConfig
+from ..model.heads import NATIVE_AUTO_CLASSES, head_of_config
 
 
-CODE_FILES = ("configuration_normswap.py", "modeling_normswap.py")
 PIPELINE_TAGS = {
     "base": "feature-extraction",
     "masked-lm": "fill-mask",
@@ -77,7 +76,9 @@ def _calibration_line(calibration: dict | None) -> str | None:
     return f"scaled by {min(scales):.3g} to {max(scales):.3g}{refit}, fitted on {calibration['data']}"
 
 
-def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, datasets=None, variant=None) -> tuple[ModelCard, list[str]]:
+def build_card(
+    folder: Path, repo_id: str, *, base_model=None, license=None, datasets=None, variant=None
+) -> tuple[ModelCard, list[str]]:
     """The model card of the NormSwap checkpoint in `folder`, and the comparison plots it shows."""
     config = AutoConfig.from_pretrained(folder)
     head = head_of_config(config)
@@ -105,7 +106,11 @@ def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, dat
         ]
     if results:
         table = "\n".join(_comparison_rows(results))
-        plots = [p for p in ("loss.png", "eval_metric.png", "grad_norm_init.png", "residual_rms.png") if (folder.parent.parent / p).exists()]
+        plots = [
+            p
+            for p in ("loss.png", "eval_metric.png", "grad_norm_init.png", "residual_rms.png")
+            if (folder.parent.parent / p).exists()
+        ]
     placement = config.norm_placement if isinstance(config.norm_placement, str) else ", ".join(config.norm_placement)
     card = ModelCard.from_template(
         data,
@@ -123,9 +128,13 @@ def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, dat
         calibration=_calibration_line(conversion.get("calibration")),
         measured=bool(measured),
         measured_hidden=f"{measured.get('last_hidden_state_max_abs_diff', 0):.2e}",
-        measured_logits=f"{measured['logits_max_abs_diff']:.2e}" if measured.get("logits_max_abs_diff") is not None else None,
+        measured_logits=f"{measured['logits_max_abs_diff']:.2e}"
+        if measured.get("logits_max_abs_diff") is not None
+        else None,
         measured_mode=measured.get("mode"),
-        swap_effect=f"{effect['metric'].replace('_', ' ')} {effect['before']:.4f} before, {effect['after']:.4f} after" if effect else None,
+        swap_effect=f"{effect['metric'].replace('_', ' ')} {effect['before']:.4f} before, {effect['after']:.4f} after"
+        if effect
+        else None,
         dropped=", ".join(conversion.get("weights", {}).get("dropped", [])),
         initialized=", ".join(conversion.get("weights", {}).get("initialized", [])),
         auto_class=NATIVE_AUTO_CLASSES[head].__name__,
@@ -133,7 +142,9 @@ def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, dat
             f"This variant (`{name}`) and its siblings fine-tuned on {results['task']['name']} through the Trainer over "
             f"{results['experiment']['seeds']} seed(s), validation metrics: the uploaded weights are the starting point "
             "(before fine-tuning), and the scores say how well it fine-tunes."
-        ) if results else None,
+        )
+        if results
+        else None,
         comparison_table=table,
         plots=plots,
     )
@@ -142,7 +153,10 @@ def build_card(folder: Path, repo_id: str, *, base_model=None, license=None, dat
 
 def _comparison_rows(results: dict) -> list[str]:
     metrics = [m for m in next(iter(results["summary"].values()))["metrics"] if m != "loss"]
-    rows = ["| variant | " + " | ".join(f"{m} (mean ± std)" for m in metrics) + " | failed runs |", "|---|" + "---|" * (len(metrics) + 1)]
+    rows = [
+        "| variant | " + " | ".join(f"{m} (mean ± std)" for m in metrics) + " | failed runs |",
+        "|---|" + "---|" * (len(metrics) + 1),
+    ]
     for variant, summary in results["summary"].items():
         cells = []
         for metric in metrics:
@@ -164,12 +178,17 @@ def prepare_upload(folder: str | Path, repo_id: str, destination: Path, **card_o
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") != NormSwapConfig.model_type:
         raise ValueError(f"{folder}: not a NormSwap checkpoint (model_type {config.get('model_type')!r})")
-    missing = [name for name in CODE_FILES if not (folder / name).exists()]
-    if missing or set(config.get("auto_map", {})) != {"AutoConfig", *(a.__name__ for a in NATIVE_AUTO_CLASSES.values())}:
-        raise ValueError(f"{folder}: the remote code is incomplete (missing {missing or 'auto_map entries'}); save it with save_pretrained")
+    missing = [name for name in REMOTE_CODE_FILES if not (folder / name).exists()]
+    if missing or set(config.get("auto_map", {})) != {
+        "AutoConfig",
+        *(a.__name__ for a in NATIVE_AUTO_CLASSES.values()),
+    }:
+        raise ValueError(
+            f"{folder}: the remote code is incomplete (missing {missing or 'auto_map entries'}); save it with save_pretrained"
+        )
     card, plots = build_card(folder, repo_id, **card_options)
     files = [path.name for path in weight_files(folder)]
-    files += ["config.json", *CODE_FILES]
+    files += ["config.json", *REMOTE_CODE_FILES]
     extras = (*TOKENIZER_FILES, SAFE_WEIGHTS_INDEX_NAME, "conversion.json", "generation_config.json")
     files += [name for name in extras if (folder / name).exists()]
     for name in files:

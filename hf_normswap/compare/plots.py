@@ -36,10 +36,16 @@ def _plot_band(axis, runs: list[dict], key: str, label: str, color: str, **style
 
 
 def _main_metric(results: list[dict]) -> str:
-    return next(name for name in results[0]["metrics"] if name not in ("loss", "runtime", "samples_per_second", "steps_per_second"))
+    return next(
+        name
+        for name in results[0]["metrics"]
+        if name not in ("loss", "runtime", "samples_per_second", "steps_per_second")
+    )
 
 
-def write_plots(output: Path, results: list[dict], reference: str | None = None, search: dict | None = None) -> list[str]:
+def write_plots(
+    output: Path, results: list[dict], reference: str | None = None, search: dict | None = None
+) -> list[str]:
     """Writes the PNG figures into `output`; returns their file names."""
     grouped = _by_variant(results)
     metric = _main_metric(results)
@@ -57,8 +63,11 @@ def write_plots(output: Path, results: list[dict], reference: str | None = None,
     figure, axis = plt.subplots(figsize=(6, 4))
     for index, (variant, runs) in enumerate(grouped.items()):
         _plot_band(axis, runs, eval_key, variant, f"C{index}", marker="o")
-    axis.set(xlabel="step", ylabel=f"validation {eval_key.removeprefix('eval_')}",
-             title=f"Validation {eval_key.removeprefix('eval_')}" + spread)
+    axis.set(
+        xlabel="step",
+        ylabel=f"validation {eval_key.removeprefix('eval_')}",
+        title=f"Validation {eval_key.removeprefix('eval_')}" + spread,
+    )
     figures["eval_metric.png"] = figure
 
     if reference is not None and len(grouped) > 1:
@@ -72,8 +81,12 @@ def write_plots(output: Path, results: list[dict], reference: str | None = None,
         for part, style in (("attention", "-"), ("ffn", "--")):
             norms = np.array([run["diagnostics"][0][part] for run in runs]).mean(axis=0)
             axis.plot(range(len(norms)), norms, style, color=color, marker=".", label=f"{variant} {part}")
-    axis.set(xlabel="layer", ylabel="gradient norm at initialisation", yscale="log",
-             title="Per-layer gradient norm at initialisation (Xiong et al. 2020)")
+    axis.set(
+        xlabel="layer",
+        ylabel="gradient norm at initialisation",
+        yscale="log",
+        title="Per-layer gradient norm at initialisation (Xiong et al. 2020)",
+    )
     figures["grad_norm_init.png"] = figure
 
     figure, axis = plt.subplots(figsize=(6, 4))
@@ -103,14 +116,18 @@ def _paired_figure(grouped: dict[str, list[dict]], reference: str, metric: str):
     others = [variant for variant in grouped if variant != reference]
     figure, axis = plt.subplots(figsize=(max(4, 1.2 * len(others) + 2), 4))
     for index, variant in enumerate(others):
-        differences = [run["metrics"][metric] - baseline[run["seed"]] for run in grouped[variant] if run["seed"] in baseline]
+        differences = [
+            run["metrics"][metric] - baseline[run["seed"]] for run in grouped[variant] if run["seed"] in baseline
+        ]
         offsets = np.linspace(-0.15, 0.15, len(differences)) if len(differences) > 1 else [0.0]
         axis.scatter(index + np.asarray(offsets), differences, color=f"C{list(grouped).index(variant)}", zorder=3)
         if differences:
             axis.hlines(np.mean(differences), index - 0.25, index + 0.25, color="black")
     axis.axhline(0.0, color="grey", linewidth=0.8)
     axis.set_xticks(range(len(others)), others, rotation=30, ha="right", fontsize=8)
-    axis.set(ylabel=f"{metric} − {reference}'s (same seed)", title=f"Per-seed differences from {reference} (bar: mean)")
+    axis.set(
+        ylabel=f"{metric} − {reference}'s (same seed)", title=f"Per-seed differences from {reference} (bar: mean)"
+    )
     return figure
 
 
@@ -141,11 +158,29 @@ def _collapse_figure(grouped: dict[str, list[dict]]):
     """First-token collapse of the final output against step (mean over seeds), with the source's as a line."""
     figure, axis = plt.subplots(figsize=(6, 4))
     for index, (variant, runs) in enumerate(grouped.items()):
-        curves = [{r["step"]: r["collapse"]["first_token"][-1] for r in run["diagnostics"] if "collapse" in r} for run in runs]
+        curves = [
+            {r["step"]: r["collapse"]["first_token"][-1] for r in run["diagnostics"] if "collapse" in r}
+            for run in runs
+        ]
         steps = sorted(set.intersection(*(set(curve) for curve in curves)))
-        axis.plot(steps, np.mean([[curve[s] for s in steps] for curve in curves], axis=0), marker=".", color=f"C{index}", label=variant)
-    sources = [run["source_collapse"]["first_token"][-1] for runs in grouped.values() for run in runs if run.get("source_collapse")]
+        axis.plot(
+            steps,
+            np.mean([[curve[s] for s in steps] for curve in curves], axis=0),
+            marker=".",
+            color=f"C{index}",
+            label=variant,
+        )
+    sources = [
+        run["source_collapse"]["first_token"][-1]
+        for runs in grouped.values()
+        for run in runs
+        if run.get("source_collapse")
+    ]
     axis.axhline(float(np.mean(sources)), color="gray", linestyle="--", label="source")
-    axis.set(xlabel="step", ylabel="mean pairwise cosine of first-token outputs", ylim=(None, 1.02),
-             title="Collapse of the probe's first-token outputs")
+    axis.set(
+        xlabel="step",
+        ylabel="mean pairwise cosine of first-token outputs",
+        ylim=(None, 1.02),
+        title="Collapse of the probe's first-token outputs",
+    )
     return figure

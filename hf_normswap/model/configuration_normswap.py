@@ -355,7 +355,9 @@ class NormSwapConfig(PreTrainedConfig):
         self.rope_parameters = kwargs.pop("rope_scaling", None) or self.rope_parameters or {}
         nested = rope_parameters_by_layer_type(self.rope_parameters)
         for parameters in self.rope_parameters.values() if nested else [self.rope_parameters]:
-            _require(isinstance(parameters, dict), "rope_parameters", self.rope_parameters, "each entry must be a dict")
+            _require(
+                isinstance(parameters, dict), "rope_parameters", self.rope_parameters, "each entry must be a dict"
+            )
             parameters.setdefault("rope_type", parameters.get("type", "default"))
             parameters.setdefault("rope_theta", rope_theta)
         self.standardize_rope_params()
@@ -371,9 +373,13 @@ class NormSwapConfig(PreTrainedConfig):
     def _check_rope(self) -> None:
         for parameters in self.layer_rope_parameters.values():
             rope_type = parameters.get("rope_type", "default")
-            _require(rope_type in ROPE_TYPES, "rope_parameters", self.rope_parameters, f"rope_type must be in {ROPE_TYPES}")
+            _require(
+                rope_type in ROPE_TYPES, "rope_parameters", self.rope_parameters, f"rope_type must be in {ROPE_TYPES}"
+            )
             factor = parameters.get("partial_rotary_factor", 1.0)
-            _require(math.isclose(factor, 1.0), "rope_parameters", self.rope_parameters, "partial_rotary_factor must be 1")
+            _require(
+                math.isclose(factor, 1.0), "rope_parameters", self.rope_parameters, "partial_rotary_factor must be 1"
+            )
 
 
 NormSwapConfig.register_for_auto_class()

@@ -1,61 +1,41 @@
 """Put a BERT- or LLaMA-family checkpoint on NormSwap exactly, optionally swapping norm placement or position scheme."""
 
 import json
-import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from huggingface_hub import ModelCard, snapshot_download
+from huggingface_hub import ModelCard
 from transformers import AutoConfig, AutoTokenizer
 
-from . import __version__
+from ..checkpoint import (
+    TOKENIZER_FILES,
+    ShardWriter,
+    check_output,
+    copy_tokenizer_files,
+    output_folder,
+    read_tensors,
+    resolve_source,
+    update_tensors,
+    weight_files,
+)
+from ..model import copy_remote_code
+from ..model.configuration_normswap import NormSwapConfig
+from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, local_name
+from ..model.modeling_normswap import AUTO_MAP
+from ..probes.collapse import COLLAPSE_MARGIN, conversion_collapse
+from ..probes.probe_data import probe_batches, probe_tokenizer
+from ..probes.swap_effect import swap_effect
 from .calibration import RIDGE, calibrate_writes, calibrated_sublayers, fitted_sources, source_sums
-from .checkpoint import ShardWriter, check_output, output_folder, read_tensors, update_tensors, weight_files
-from .collapse import COLLAPSE_MARGIN, conversion_collapse, probe_batches, probe_tokenizer
-from .configuration_normswap import NormSwapConfig
 from .exact_swaps import apply_exact_swap, keeps_last_hidden_state, plan_exact_swap
 from .families import NORMSWAP, family_of, normswap_config
-from .heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, local_name
-from .modeling_normswap import AUTO_MAP
 from .norm_mapping import map_norms, norm_slots
-from .swap_effect import swap_effect
+from .options import DTYPES, ConversionError
 
 
 HIDDEN_TOLERANCE = 1e-5
 LOGITS_TOLERANCE = 1e-4
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "sentencepiece.bpe.model",
-    "spiece.model",
-)
-DTYPES = ("float32", "float16", "bfloat16")
 CALIBRATION_SIZE = 704  # the shipped SST-2 training sample, all of it
-_CODE_DIR = Path(__file__).parent
-
-
-class ConversionError(ValueError):
-    """A conversion that cannot be done or did not verify, said in one line."""
-
-
-def resolve_source(source: str, allow_pickle: bool = False) -> tuple[Path, str | None]:
-    """A local folder as is, or a Hub id downloaded (config, weights, tokenizer); returns (folder, revision)."""
-    if Path(source).is_dir():
-        return Path(source), None
-    if Path(source).exists():
-        raise ConversionError(f"{source}: a checkpoint must be a folder")
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"] + (["*.bin"] if allow_pickle else [])
-    try:
-        folder = Path(snapshot_download(source, allow_patterns=patterns))
-    except Exception as error:
-        raise ConversionError(f"{source}: not a local folder, and not downloadable from the Hub ({error})") from None
-    return folder, folder.name
 
 
 def convert_checkpoint(
@@ -129,7 +109,7 @@ def convert_checkpoint(
         target = normswap_config(source_config, **swaps, **exact_fields)
 
     report = {
-        "hf_normswap_version": __version__,
+        "hf_normswap_version": version("hf-normswap"),
         "source": {
             "id": source,
             "revision": revision,
@@ -156,20 +136,21 @@ def convert_checkpoint(
     }
 
     with output_folder(output, overwrite) as staging:
-        _write_weights(
-            files, source_family, plain, target, head, norm_sources, exact_swap, dtype, staging, report
-        )
+        _write_weights(files, source_family, plain, target, head, norm_sources, exact_swap, dtype, staging, report)
         report["tokenizer"] = _copy_tokenizer(folder, source_family, staging)
         target.architectures = [HEAD_CLASSES[head].__name__]
         target.auto_map = dict(AUTO_MAP)
         target.save_pretrained(staging)
-        for code in ("configuration_normswap.py", "modeling_normswap.py"):
-            shutil.copy(_CODE_DIR / code, staging / code)
+        copy_remote_code(staging)
         report["target_config"] = target.to_dict()
-        sublayers = calibrated_sublayers(target, norm_sources, norm_slots(plain)) if calibrate and not exact_swap else {}
+        sublayers = (
+            calibrated_sublayers(target, norm_sources, norm_slots(plain)) if calibrate and not exact_swap else {}
+        )
         plain_model = load_plain(plain, head, source_family, files) if verify or sublayers else None
         if sublayers:
-            report["calibration"] = _calibrate(staging, head, plain_model, target, norm_sources, sublayers, report, log)
+            report["calibration"] = _calibrate(
+                staging, head, plain_model, target, norm_sources, sublayers, report, log
+            )
 
         if verify:
             report["measured"] = _verify(folder, plain_model, staging, head, exact_swap, report, log)
@@ -277,7 +258,16 @@ def _write_weights(files, family, plain, target, head, norm_sources, exact_swap,
         )
 
 
-def _calibrate(staging: Path, head: str, plain_model, target: NormSwapConfig, norm_sources: dict, sublayers: dict, report: dict, log) -> dict:
+def _calibrate(
+    staging: Path,
+    head: str,
+    plain_model,
+    target: NormSwapConfig,
+    norm_sources: dict,
+    sublayers: dict,
+    report: dict,
+    log,
+) -> dict:
     """Scales the written model's sublayer writes, and refits its linear writes against the unswapped source
     (`plain_model`); returns what was done. Norms initialised at identity and then calibrated are listed as such."""
     model = HEAD_CLASSES[head].from_pretrained(staging, dtype=torch.float32)
@@ -293,10 +283,22 @@ def _calibrate(staging: Path, head: str, plain_model, target: NormSwapConfig, no
         entry.replace(" (identity)", " (calibrated)") if entry.split(" ")[0] in changed else entry
         for entry in report["weights"]["initialized"]
     ]
-    data = f"the {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample" if tokenizer else f"{CALIBRATION_SIZE} random token sequences"
-    log(f"calibrated the writes of {len(scales)} sublayers on {data} (scales {min(scales.values()):.3g} to {max(scales.values()):.3g})"
-        + (f", refitted {len(errors)} of them" if errors else ""))
-    return {"data": data, "write_scales": scales, "refit_errors": errors, "ridge": RIDGE if errors else None, "modules": list(sublayers.values())}
+    data = (
+        f"the {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample"
+        if tokenizer
+        else f"{CALIBRATION_SIZE} random token sequences"
+    )
+    log(
+        f"calibrated the writes of {len(scales)} sublayers on {data} (scales {min(scales.values()):.3g} to {max(scales.values()):.3g})"
+        + (f", refitted {len(errors)} of them" if errors else "")
+    )
+    return {
+        "data": data,
+        "write_scales": scales,
+        "refit_errors": errors,
+        "ridge": RIDGE if errors else None,
+        "modules": list(sublayers.values()),
+    }
 
 
 def _lineage(folder: Path) -> list[dict]:
@@ -317,14 +319,6 @@ def _source_license(folder: Path) -> str | None:
         return ModelCard.load(folder / "README.md", ignore_metadata_errors=True).data.license
     except (OSError, ValueError):
         return None
-
-
-def copy_tokenizer_files(folder: Path, destination: Path) -> list[str]:
-    """Copies the tokenizer files found in `folder`; returns their names."""
-    present = [name for name in TOKENIZER_FILES if (folder / name).exists()]
-    for name in present:
-        shutil.copy(folder / name, destination / name)
-    return present
 
 
 def _copy_tokenizer(folder: Path, family, staging: Path) -> dict:
@@ -413,8 +407,10 @@ def _verify(folder, plain_model, staging, head, exact_swap, report, log) -> dict
     compare_logits = head != "base" and not report["weights"]["initialized_at_load"]
     hidden_diff, logits_diff = _differences(native, plain_model, head, batch, True, compare_logits)
     mode = "causal" if plain.is_causal else "bidirectional"
-    log(f"verified against {type(native).__name__} ({mode}): max |difference| last hidden state {hidden_diff:.2e}"
-        + (f", logits {logits_diff:.2e}" if logits_diff is not None else ""))
+    log(
+        f"verified against {type(native).__name__} ({mode}): max |difference| last hidden state {hidden_diff:.2e}"
+        + (f", logits {logits_diff:.2e}" if logits_diff is not None else "")
+    )
     if not _within_tolerance(hidden_diff, logits_diff):
         logits = "not compared" if logits_diff is None else f"{logits_diff:.3e}"
         raise ConversionError(
@@ -428,7 +424,8 @@ def _verify(folder, plain_model, staging, head, exact_swap, report, log) -> dict
     report["exact"] = (compare_hidden or compare_logits) and _within_tolerance(swap_hidden, swap_logits)
     report["swap_distance"] = {"last_hidden_state_max_abs_diff": swap_hidden, "logits_max_abs_diff": swap_logits}
     compared = ", ".join(
-        f"{what} {value:.2e}" for what, value in (("last hidden state", swap_hidden), ("logits", swap_logits))
+        f"{what} {value:.2e}"
+        for what, value in (("last hidden state", swap_hidden), ("logits", swap_logits))
         if value is not None
     )
     log(f"written model: {'exact' if report['exact'] else 'approximate'} (max |difference| to the source: {compared})")
@@ -443,7 +440,11 @@ def _swap_line(effect: dict) -> str:
 
 def _collapse_line(collapse: dict) -> str:
     source, variant = collapse["source"], collapse["variant"]
-    line = (f"collapse (mean pairwise cosine of first-token / mean vectors, final output): source "
-            f"{source['first_token'][-1]:.4f} / {source['mean'][-1]:.4f}, converted {variant['first_token'][-1]:.4f} / "
-            f"{variant['mean'][-1]:.4f}")
-    return line + (f"; more than {COLLAPSE_MARGIN} above the source: the swap collapsed it" if collapse["flagged"] else "")
+    line = (
+        f"collapse (mean pairwise cosine of first-token / mean vectors, final output): source "
+        f"{source['first_token'][-1]:.4f} / {source['mean'][-1]:.4f}, converted {variant['first_token'][-1]:.4f} / "
+        f"{variant['mean'][-1]:.4f}"
+    )
+    return line + (
+        f"; more than {COLLAPSE_MARGIN} above the source: the swap collapsed it" if collapse["flagged"] else ""
+    )

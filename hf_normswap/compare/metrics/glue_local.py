@@ -18,7 +18,9 @@ class GlueLocal(evaluate.Metric):
             description=__doc__,
             citation="Wang et al. 2018, GLUE: A Multi-Task Benchmark and Analysis Platform for Natural Language Understanding.",
             inputs_description="predictions and references: lists of integer labels",
-            features=datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}
+            ),
         )
 
     def _compute(self, predictions, references):
@@ -30,7 +32,10 @@ class GlueLocal(evaluate.Metric):
         if kind == "accuracy_f1":
             true_positive = float(((predictions == 1) & (references == 1)).sum())
             precision_recall = (predictions == 1).sum() + (references == 1).sum()
-            return {"accuracy": accuracy, "f1": float(2 * true_positive / precision_recall) if precision_recall else 0.0}
+            return {
+                "accuracy": accuracy,
+                "f1": float(2 * true_positive / precision_recall) if precision_recall else 0.0,
+            }
         return {"accuracy": accuracy}
 
 
@@ -40,5 +45,7 @@ def _matthews(predictions, references) -> float:
     samples, correct = confusion.sum(), np.trace(confusion)
     true_totals, predicted_totals = confusion.sum(1), confusion.sum(0)
     numerator = correct * samples - true_totals @ predicted_totals
-    denominator = np.sqrt((samples**2 - predicted_totals @ predicted_totals) * (samples**2 - true_totals @ true_totals))
+    denominator = np.sqrt(
+        (samples**2 - predicted_totals @ predicted_totals) * (samples**2 - true_totals @ true_totals)
+    )
     return float(numerator / denominator) if denominator else 0.0

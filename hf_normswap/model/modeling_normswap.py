@@ -127,7 +127,13 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def alibi_attention_mask(
-    attention_mask: torch.Tensor | None, num_heads: int, query_length: int, key_length: int, is_causal: bool, dtype, device
+    attention_mask: torch.Tensor | None,
+    num_heads: int,
+    query_length: int,
+    key_length: int,
+    is_causal: bool,
+    dtype,
+    device,
 ) -> torch.Tensor:
     """The additive mask with ALiBi's bias -slope * |i - j| folded in, shaped (batch or 1, heads, query, key).
 
@@ -207,7 +213,12 @@ def flash_varlen_kwargs(sequence_ids: torch.Tensor) -> dict:
     ends = torch.tensor([0, flat.numel()], device=flat.device)
     cu_seq_lens = torch.cat([ends[:1], starts, ends[1:]]).to(torch.int32)
     max_length = int(cu_seq_lens.diff().max())
-    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max_length, "max_length_k": max_length}
+    return {
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }
 
 
 class NormSwapEmbeddings(nn.Module):
@@ -600,7 +611,10 @@ class NormSwapModel(NormSwapPreTrainedModel):
         of a packed batch (a document mask for flex attention). A dict passes through as is."""
         if isinstance(attention_mask, dict):
             return attention_mask
-        if self.config.position_embedding_type == "alibi" and self.config._attn_implementation not in ("eager", "sdpa"):
+        if self.config.position_embedding_type == "alibi" and self.config._attn_implementation not in (
+            "eager",
+            "sdpa",
+        ):
             raise ValueError(
                 "position_embedding_type='alibi' needs attn_implementation 'eager' or 'sdpa', "
                 f"got {self.config._attn_implementation!r}."

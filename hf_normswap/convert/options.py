@@ -1,0 +1,72 @@
+"""What `convert` may change and how it runs: one declaration for the Python keywords, the CLI and the checks."""
+
+from dataclasses import dataclass, field
+
+from ..model.configuration_normswap import NORM_PLACEMENTS, NORM_TYPES, POSITION_EMBEDDING_TYPES
+from ..model.heads import HEAD_CLASSES
+from .families import FAMILIES
+from .norm_mapping import NORM_MAPPINGS
+
+
+ATTENTIONS = ("bidirectional", "causal")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def placement(text: str) -> str | list[str]:
+    """One placement, or a comma-separated list with one per layer."""
+    return text.split(",") if "," in text else text
+
+
+class ConversionError(ValueError):
+    """A conversion that cannot be done or did not verify, said in one line."""
+
+
+@dataclass
+class ConvertOptions:
+    """The swap and the conversion's settings (`None`: keep the source's)."""
+
+    norm_placement: str | list[str] | None = field(
+        default=None,
+        metadata={
+            "help": f"one of {', '.join(NORM_PLACEMENTS)}, or one per layer, comma-separated; default: the source's",
+            "parse": placement,
+        },
+    )
+    position_embedding_type: str | None = field(
+        default=None, metadata={"choices": POSITION_EMBEDDING_TYPES, "help": "default: the source's"}
+    )
+    norm_type: str | None = field(default=None, metadata={"choices": NORM_TYPES, "help": "default: the source's"})
+    norm_mapping: str = field(
+        default="shift", metadata={"choices": NORM_MAPPINGS, "help": "which pretrained norm fills which slot"}
+    )
+    calibrate: bool = field(
+        default=True,
+        metadata={
+            "help": "scale sublayer writes and refit output projections against the source where norms that wrote "
+            "the residual stream come to read it (post -> pre, sandwich)"
+        },
+    )
+    attention: str | None = field(
+        default=None,
+        metadata={"choices": ATTENTIONS, "help": "default: bidirectional (a NormSwap source: its own)"},
+    )
+    head: str = field(default="auto", metadata={"choices": ("auto", *HEAD_CLASSES), "help": "default: the source's"})
+    dtype: str | None = field(default=None, metadata={"choices": DTYPES, "help": "default: the source's"})
+    verify: bool = field(default=True, metadata={"help": "check exactness against the source and measure the swap"})
+    allow_pickle: bool = field(
+        default=False, metadata={"help": "accept pytorch_model.bin (read with weights_only=True)"}
+    )
+    family: str | None = field(
+        default=None,
+        metadata={"choices": tuple(family.name for family in FAMILIES), "help": "refuse sources of any other family"},
+    )
+
+    def __post_init__(self):
+        for name in ("attention", "dtype"):  # the others are checked against the source's configuration
+            value, allowed = getattr(self, name), _field(name).metadata["choices"]
+            if value is not None and value not in allowed:
+                raise ConversionError(f"{name}={value!r} is invalid: allowed are {list(allowed)}")
+
+
+def _field(name: str):
+    return ConvertOptions.__dataclass_fields__[name]

@@ -1,0 +1,1 @@
+"""Probes of what a model computes: collapse, swap effect, per-layer training diagnostics."""

@@ -1,0 +1,70 @@
+"""The fixed inputs probes run on: sentences of the shipped SST-2 sample, a few plain sentences, masked tokens."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..tasks import DATA_DIR
+
+
+PROBE_SIZE = 64
+_SAMPLE = DATA_DIR / "sst2"
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Layer normalization keeps the activations of deep networks in a stable range.",
+    "Paris is the capital and most populous city of France.",
+    "She poured the coffee, opened the window and started to read the letter.",
+    "Researchers trained the model for three epochs with a learning rate of two times ten to the minus five.",
+    "A small dog barked at the postman every morning.",
+]
+
+
+def probe_tokenizer(folder: Path):
+    """The checkpoint's tokenizer, if it has one that pads; else None (probes are then random tokens)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        return None
+    return tokenizer if tokenizer.pad_token is not None else None
+
+
+def probe_batches(
+    tokenizer, vocab_size: int, size: int = PROBE_SIZE, batch_size: int = 32, split: str = "validation"
+) -> list[dict]:
+    """The fixed probe set: the first `size` sentences of a split of the shipped SST-2 sample, or random tokens
+    (always the same) when there is no tokenizer."""
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(0, vocab_size, (size, 16), generator=generator)
+        return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in input_ids.split(batch_size)]
+    lines = (_SAMPLE / f"{split}.jsonl").read_text().splitlines()[:size]
+    sentences = [json.loads(line)["sentence"] for line in lines]
+    return [
+        dict(
+            tokenizer(
+                sentences[start : start + batch_size],
+                padding=True,
+                truncation=True,
+                max_length=128,
+                return_tensors="pt",
+            )
+        )
+        for start in range(0, len(sentences), batch_size)
+    ]
+
+
+def mask_every_sixth(batch: dict, tokenizer) -> torch.Tensor:
+    """Masks every 6th real, non-special token; returns the labels and masks `batch` in place."""
+    input_ids = batch["input_ids"]
+    special = torch.tensor(
+        [tokenizer.get_special_tokens_mask(row, already_has_special_tokens=True) for row in input_ids.tolist()]
+    ).bool()
+    candidates = (batch["attention_mask"] == 1) & ~special
+    positions = torch.cumsum(candidates.long(), dim=1)
+    chosen = candidates & (positions % 6 == 1)
+    labels = input_ids.masked_fill(~chosen, -100)
+    batch["input_ids"] = input_ids.masked_fill(chosen, tokenizer.mask_token_id)
+    return labels

@@ -1,0 +1,203 @@
+"""Shared test helpers: tiny NormSwap configs and batches, tiny random source checkpoints built from Transformers'
+own configs and saved to temporary folders, a tiny task, reading tensors back."""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from transformers import BertTokenizer, PreTrainedTokenizerFast
+
+from hf_normswap import NormSwapConfig
+from hf_normswap.probes.probe_data import SENTENCES
+
+
+WORDS = sorted({word.strip(".,").lower() for sentence in SENTENCES for word in sentence.split()} | {".", ","})
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+LLAMA_SPECIALS = ["<unk>", "<s>", "</s>", "<|endoftext|>"]
+SHAPE = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64
+)
+
+
+def bert_tokenizer(folder: Path) -> int:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(BERT_SPECIALS + WORDS) + "\n")
+    BertTokenizer(str(folder / "vocab.txt")).save_pretrained(folder)
+    return len(BERT_SPECIALS) + len(WORDS)
+
+
+def llama_tokenizer(folder: Path) -> int:
+    """A word-level tokenizer with no pad token, as LLaMA's."""
+    vocab = {token: index for index, token in enumerate(LLAMA_SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.save_pretrained(folder)
+    return len(vocab)
+
+
+BERT_FAMILY = {
+    "bert": ("BertConfig", {}),
+    "roberta": ("RobertaConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
+    "xlm-roberta": ("XLMRobertaConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
+    "distilbert": ("DistilBertConfig", {"hidden_dim": 64}),
+    "electra": ("ElectraConfig", {"embedding_size": 16}),
+    # three layers: global, local, local; a window of 4 tokens each side (local_attention 8)
+    "modernbert": (
+        "ModernBertConfig",
+        {
+            "num_hidden_layers": 3,
+            "local_attention": 8,
+            "pad_token_id": 0,
+            "bos_token_id": 2,
+            "eos_token_id": 3,
+            "cls_token_id": 2,
+            "sep_token_id": 3,
+        },
+    ),
+}
+LLAMA_FAMILY = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),
+}
+# Causal families beyond LLaMA, with the features they convert exactly: the special tokens are the tokenizer's,
+# windows (4) shorter than the test sequences (16), a query scale that is not head_dim's.
+SPECIAL_IDS = {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
+GEMMA = {
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"],
+    **SPECIAL_IDS,
+}
+CAUSAL_FAMILY = {
+    "gpt2": ("GPT2Config", {"n_inner": 64, **SPECIAL_IDS}),
+    "gemma2": ("Gemma2Config", {**GEMMA, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0}),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            **GEMMA,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+    ),
+    "olmo2": ("Olmo2Config", {"num_key_value_heads": 2, **SPECIAL_IDS}),
+}
+ARCHITECTURE_PREFIX = {
+    "bert": "Bert",
+    "roberta": "Roberta",
+    "xlm-roberta": "XLMRoberta",
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gpt2": "GPT2",
+    "gemma2": "Gemma2",
+    "gemma3_text": "Gemma3",
+    "olmo2": "Olmo2",
+    "distilbert": "DistilBert",
+    "electra": "Electra",
+    "modernbert": "ModernBert",
+}
+
+
+def save_source(folder: Path, model_type: str, head_suffix: str, seed: int = 0, tokenizer: bool = True, **overrides):
+    """Saves a tiny `<Prefix><head_suffix>` model (e.g. BertForMaskedLM) with a tokenizer; returns the model."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    llama = model_type not in BERT_FAMILY
+    config_name, fields = {**BERT_FAMILY, **LLAMA_FAMILY, **CAUSAL_FAMILY}[model_type]
+    vocab_size = 64
+    if tokenizer:
+        vocab_size = (llama_tokenizer if llama else bert_tokenizer)(folder)
+    extra = {"num_key_value_heads": 2} if model_type in LLAMA_FAMILY else {}
+    shape = {k: v for k, v in SHAPE.items() if k not in {**fields, **overrides}}
+    if model_type == "distilbert":  # its feed-forward width is hidden_dim
+        shape.pop("intermediate_size")
+    config = getattr(transformers, config_name)(vocab_size=vocab_size, **shape, **extra, **{**fields, **overrides})
+    if model_type in ("roberta", "xlm-roberta"):
+        config.max_position_embeddings = 64 + config.pad_token_id + 1
+    torch.manual_seed(seed)
+    model = getattr(transformers, ARCHITECTURE_PREFIX[model_type] + head_suffix)(config).eval()
+    with torch.no_grad():  # non-trivial norms, so that misplaced norm weights show
+        for name, parameter in model.named_parameters():
+            if "norm" in name.lower() or ".ln_" in name:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    model.save_pretrained(folder)
+    return model
+
+
+def tiny_config(**overrides) -> NormSwapConfig:
+    """A NormSwap config small enough for fast CPU tests; dropout off so outputs are deterministic."""
+    fields = dict(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    fields.update(overrides)
+    return NormSwapConfig(**fields)
+
+
+def padded_batch(vocab_size: int = 99, lengths=(9, 6), seed: int = 0):
+    """Random token ids, right-padded with id 0, and the matching attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, vocab_size, (len(lengths), max(lengths)), generator=generator)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        attention_mask[row, :length] = 1
+    return input_ids.masked_fill(attention_mask == 0, 0), attention_mask
+
+
+def tensors(folder):
+    """All tensors of a checkpoint folder, by name."""
+    state = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(folder / name))
+    return state
+
+
+def tiny_task(folder, rows=48):
+    """A learnable two-class task: the label says whether the text mentions the fox."""
+    folder.mkdir(parents=True, exist_ok=True)
+    words = ["the quick brown fox", "a small dog barked", "the lazy dog slept", "she read the letter"]
+    for split, count in (("train", rows), ("validation", 16)):
+        with open(folder / f"{split}.jsonl", "w") as file:
+            for index in range(count):
+                text = words[index % 4] + (" again" if index % 3 else "")
+                file.write(json.dumps({"text": text, "label": int("fox" in text)}) + "\n")
+    return folder
+
+
+NEW_TOKENS = 32
+
+
+def greedy(model, input_ids, attention_mask):
+    return model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
+
+
+def left_padded_prompts(vocab_size, lengths=(7, 4)):
+    input_ids, attention_mask = padded_batch(vocab_size=vocab_size, lengths=lengths)
+    return input_ids.flip(1), attention_mask.flip(1)  # generation pads on the left
