@@ -1,10 +1,10 @@
 """Wall time and peak memory of `hf-normswap convert` against a plain safetensors load-and-save of the same checkpoint.
 
 Generates a random LLaMA-shaped checkpoint of at least `--gigabytes` (float32, sharded like Transformers), then runs,
-each in its own process after the same imports, timing the second of two passes: (1) a plain `safetensors` load + save of every shard, (2) the
-conversion without a swap, (3) the conversion with a swap to post-LN (both without verification, which loads whole
-models). Goals: conversion time <= 1.5x the plain load-and-save, and peak memory above what the imports took within
-about 1.5x the largest shard.
+each in its own process after the same imports, timing the second of two passes: (1) a plain `safetensors` load +
+save of every shard, (2) the conversion without a swap, (3) the conversion with a swap to post-LN (both without
+verification, which loads whole models). Goals: conversion time <= 1.5x the plain load-and-save, and peak memory
+above what the imports took within about 1.5x the largest shard.
 
     python scripts/bench_convert.py --workdir /tmp/bench-convert
 """
@@ -153,13 +153,13 @@ def main() -> None:
     plain_seconds = results["plain"]["seconds"]
     print(f"median of {args.repeats} interleaved runs")
     print(
-        f"{'run (work after imports)':32} {'seconds':>8} {'x plain':>8} {'peak GB':>8} {'(peak - imports) / largest shard':>33}"
+        f"{'run (work after imports)':32} {'seconds':>8} {'x plain':>8} {'peak GB':>8} "
+        f"{'(peak - imports) / largest shard':>33}"
     )
     for mode, result in results.items():
-        peak, above = result["peak_kb"] * 1024 / 1e9, (result["peak_kb"] - result["imports_kb"]) * 1024 / 1e9
-        print(
-            f"{names[mode]:32} {result['seconds']:8.1f} {result['seconds'] / plain_seconds:8.2f} {peak:8.2f} {above / largest:33.2f}"
-        )
+        seconds, peak = result["seconds"], result["peak_kb"] * 1024 / 1e9
+        above = (result["peak_kb"] - result["imports_kb"]) * 1024 / 1e9
+        print(f"{names[mode]:32} {seconds:8.1f} {seconds / plain_seconds:8.2f} {peak:8.2f} {above / largest:33.2f}")
     shutil.rmtree(args.workdir, ignore_errors=True)
 
 

@@ -1,6 +1,7 @@
 """Push every variant of a comparison output folder to the Hub, each with a card showing the comparison.
 
-    python scripts/push_variants.py normswap-comparison --namespace my-user --base-model sentence-transformers/all-MiniLM-L6-v2
+    python scripts/push_variants.py normswap-comparison --namespace my-user \
+        --base-model sentence-transformers/all-MiniLM-L6-v2
     python scripts/push_variants.py normswap-comparison --namespace my-user --dry-run ./to-upload
 
 Each variant in OUTPUT/variants/NAME goes to NAMESPACE/PREFIX-NAME (with --dry-run: into DRY_RUN/NAME).

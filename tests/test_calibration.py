@@ -104,12 +104,16 @@ def scaled_only(folder, write_scales):
     return model
 
 
+def centred(x):
+    return x - x.mean(-1, keepdim=True)
+
+
 def test_a_refit_solves_the_least_squares_problem_and_the_ridge_holds_it(monkeypatch):
-    """Without a ridge, the refit is the least-squares write towards the target (each token at the length the starting
-    write reaches), as a centring norm sees it; the part the norm removes is kept. With a huge ridge the write stays."""
+    """Without a ridge, the refit is the least-squares write towards the target (each token at the length the
+    starting write reaches), as a centring norm sees it; the part the norm removes is kept. With a huge ridge the
+    write stays."""
     generator = torch.Generator().manual_seed(0)
     inputs, stream, target = (torch.randn(200, n, generator=generator, dtype=torch.float64) for n in (5, 4, 4))
-    centred = lambda x: x - x.mean(-1, keepdim=True)
     for ridge in (1e-12, 1e12):
         monkeypatch.setattr(calibration, "RIDGE", ridge)
         writer = torch.nn.Linear(5, 4, dtype=torch.float64)
@@ -178,7 +182,8 @@ def test_no_calibrate_on_the_command_line(tmp_path, capsys):
 
 
 def test_a_conversion_without_calibration_does_not_load_the_written_model(tmp_path, monkeypatch):
-    """With --no-verify, converting keeps about one shard in memory: calibration, needed by no swap here, loads nothing."""
+    """With --no-verify, converting keeps about one shard in memory: calibration, needed by no swap here, loads
+    nothing."""
     save_source(tmp_path / "bert", "bert", "Model")
 
     def refuse(*args, **kwargs):

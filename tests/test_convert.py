@@ -283,8 +283,8 @@ def test_unsupported_architecture_is_refused(tmp_path, capsys):
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1
     assert (
-        "model_type 'opt' is not supported; supported model types: bert, roberta, xlm-roberta, llama, mistral, qwen2, qwen3, gpt2"
-        in error
+        "model_type 'opt' is not supported; supported model types: bert, roberta, xlm-roberta, llama, mistral, qwen2, "
+        "qwen3, gpt2" in error
     )
     no_leftovers(tmp_path, tmp_path / "out")
 
@@ -366,7 +366,7 @@ def test_truncated_file_is_named(tmp_path, capsys):
 
 def test_failed_verification_leaves_nothing(tmp_path, monkeypatch, capsys):
     save_source(tmp_path / "source", "bert", "ForMaskedLM")
-    monkeypatch.setattr("hf_normswap.convert.converter.HIDDEN_TOLERANCE", -1.0)
+    monkeypatch.setattr("hf_normswap.convert.verification.HIDDEN_TOLERANCE", -1.0)
     assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out")]) == 1
     assert "verification failed" in capsys.readouterr().err
     no_leftovers(tmp_path, tmp_path / "out")

@@ -5,7 +5,7 @@ import torch
 
 from hf_normswap import NormSwapConfig, NormSwapForCausalLM, NormSwapModel, convert_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.convert.converter import HIDDEN_TOLERANCE, LOGITS_TOLERANCE
+from hf_normswap.convert.verification import HIDDEN_TOLERANCE, LOGITS_TOLERANCE
 
 from helpers import padded_batch, save_source, tensors, tiny_config
 

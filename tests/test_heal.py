@@ -11,6 +11,7 @@ from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.compare.report import collapse_report_lines as report_lines
 from hf_normswap.compare.report import summarize_collapse as summarize_runs
+from hf_normswap.model import REMOTE_CODE_FILES
 from hf_normswap.model.modeling_normswap import AUTO_MAP
 from hf_normswap.probes.collapse import mean_pairwise_cosine
 
@@ -25,7 +26,7 @@ def variant(tmp_path_factory):
     """A tiny BERT converted to pre-LN, and a text file to heal it on."""
     folder = tmp_path_factory.mktemp("heal")
     save_source(folder / "bert", "bert", "Model", initializer_range=0.2)  # inputs told apart, unlike at 0.02
-    # Norms shifted only: far from the source (calibrated writes would start this tiny model at a token cosine of 0.97).
+    # Norms shifted only: far from the source (calibrated writes would start this tiny model at token cosine 0.97).
     convert_checkpoint(
         str(folder / "bert"), str(folder / "pre"), norm_placement="pre", calibrate=False, log=lambda line: None
     )
@@ -80,7 +81,7 @@ def test_healing_reduces_distance(variant, objective):
     # The healed folder is a checkpoint like convert's (code and auto_map: test_remote_code loads such folders without
     # the package), and it computes what was measured.
     assert json.loads((output / "config.json").read_text())["auto_map"] == AUTO_MAP
-    for code in ("configuration_normswap.py", "modeling_normswap.py"):
+    for code in REMOTE_CODE_FILES:
         assert (output / code).read_text() == (Path(hf_normswap.__file__).parent / "model" / code).read_text()
     healed = AutoModel.from_pretrained(output, trust_remote_code=True).eval()
     teacher = AutoModel.from_pretrained(variant / "bert").eval()
@@ -158,7 +159,7 @@ def test_collapse_flag_in_report():
 
 
 def test_heal_a_reswapped_normswap_checkpoint(variant):
-    """A variant converted from a NormSwap checkpoint heals towards that checkpoint; the healing stays in the lineage."""
+    """A variant converted from a NormSwap checkpoint heals towards that checkpoint; healing stays in the lineage."""
     convert_checkpoint(str(variant / "bert"), str(variant / "ns-post"), log=lambda line: None)
     convert_checkpoint(
         str(variant / "ns-post"), str(variant / "ns-pre"), norm_placement="pre", calibrate=False, log=lambda line: None

@@ -114,7 +114,7 @@ def test_alibi_refuses_other_attention_implementations():
 
 
 def test_alibi_slopes_follow_the_paper():
-    from hf_normswap.model.modeling_normswap import alibi_slopes
+    from hf_normswap.model.positions_normswap import alibi_slopes
 
     assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
     six = alibi_slopes(6)

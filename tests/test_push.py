@@ -9,7 +9,8 @@ from huggingface_hub import ModelCard
 
 from hf_normswap import convert_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.compare.comparison import Experiment, run_comparison
+from hf_normswap.compare import Experiment, run_comparison
+from hf_normswap.model import REMOTE_CODE_FILES
 
 from helpers import save_source, tiny_task
 
@@ -70,8 +71,7 @@ def test_dry_run_writes_the_upload_and_card(comparison, tmp_path):
         [
             "README.md",
             "config.json",
-            "configuration_normswap.py",
-            "modeling_normswap.py",
+            *REMOTE_CODE_FILES,
             "model.safetensors",
             "conversion.json",
             "tokenizer.json",
@@ -98,8 +98,8 @@ def test_dry_run_writes_the_upload_and_card(comparison, tmp_path):
     assert "| norm placement | post | pre |" in card.text
     scales = json.loads((variant / "conversion.json").read_text())["calibration"]["write_scales"].values()
     assert (
-        f"| sublayer writes | | calibrated: scaled by {min(scales):.3g} to {max(scales):.3g}, 4 refitted against the source (ridge 1), fitted on"
-        in card.text
+        f"| sublayer writes | | calibrated: scaled by {min(scales):.3g} to {max(scales):.3g}, "
+        "4 refitted against the source (ridge 1), fitted on" in card.text
     )
     config = json.loads((tmp_path / "up" / "config.json").read_text())
     assert len(config["auto_map"]) == 7

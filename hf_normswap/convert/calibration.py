@@ -15,13 +15,83 @@ the same text, so that the stream after it lies, token by token, along the sum t
 next reading norm comes from. What the refit cannot carry is left to `heal`.
 """
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..checkpoint import update_tensors
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
+from ..model.heads import HEAD_CLASSES
+from ..probes.probe_data import probe_batches, probe_tokenizer
 from .norm_mapping import NormSlot, norm_slots
+
+
+CALIBRATION_SIZE = 704  # the shipped SST-2 training sample, all of it
+# times the mean diagonal of the write inputs' Gram matrix; chosen on held-out text (docs/experiments/calibration.md)
+RIDGE = 1.0
+
+
+@dataclass
+class CalibrationRecord:
+    """What calibration did: on which data, each sublayer's write scale, each refitted write's relative error before
+    and after, and the modules it changed."""
+
+    data: str
+    write_scales: dict[str, float]
+    refit_errors: dict[str, list[float]]
+    ridge: float | None
+    modules: list[str]
+
+
+def calibrate_checkpoint(
+    *,
+    folder: Path,
+    head: str,
+    source_model: nn.Module,
+    target: NormSwapConfig,
+    norm_sources: dict[str, str | None],
+    sublayers: dict[str, str],
+    log,
+) -> tuple[CalibrationRecord, set[str]]:
+    """Scales the writes of `sublayers` in the model written in FOLDER, and refits its linear writes against the
+    unswapped source (`source_model`); returns what was done and the names of the tensors it changed."""
+    model = HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32)
+    tokenizer = probe_tokenizer(folder)
+    batch = probe_batches(
+        tokenizer=tokenizer,
+        vocab_size=model.config.vocab_size,
+        size=CALIBRATION_SIZE,
+        batch_size=CALIBRATION_SIZE,
+        split="train",
+    )[0]
+    sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
+    scales, errors = calibrate_writes(model, sublayers, batch, source_sums(source_model, sources, batch))
+    prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
+    written = tuple(f"{prefix}{module}." for module in sublayers.values())
+    changed = {name: tensor for name, tensor in model.state_dict().items() if name.startswith(written)}
+    update_tensors(folder=folder, tensors=changed)
+    data = (
+        f"the {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample"
+        if tokenizer
+        else f"{CALIBRATION_SIZE} random token sequences"
+    )
+    log(
+        f"calibrated the writes of {len(scales)} sublayers on {data} "
+        f"(scales {min(scales.values()):.3g} to {max(scales.values()):.3g})"
+        + (f", refitted {len(errors)} of them" if errors else "")
+    )
+    record = CalibrationRecord(
+        data=data,
+        write_scales=scales,
+        refit_errors=errors,
+        ridge=RIDGE if errors else None,
+        modules=list(sublayers.values()),
+    )
+    return record, set(changed)
 
 
 def calibrated_sublayers(
@@ -49,9 +119,6 @@ def calibrated_sublayers(
         elif norm_sources[f"{prefix}.output_norm"] is None:
             sublayers[sublayer] = f"{sublayer}.output_norm"
     return sublayers
-
-
-RIDGE = 1.0  # times the mean diagonal of the write inputs' Gram matrix; chosen on held-out training text (README)
 
 
 def fitted_sources(
@@ -149,9 +216,9 @@ def _refit(
 def calibrate_writes(
     model: nn.Module, sublayers: dict[str, str], batch: dict, targets: dict[str, torch.Tensor] | None = None
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Scales the writes of `sublayers` (from `calibrated_sublayers`) in place, fitted on one padded `batch` in a single
-    forward pass, and refits the linear writes that have `targets` (from `source_sums`). Returns each sublayer's scale
-    and each refitted write's relative error before and after."""
+    """Scales the writes of `sublayers` (from `calibrated_sublayers`) in place, fitted on one padded `batch` in a
+    single forward pass, and refits the linear writes that have `targets` (from `source_sums`). Returns each
+    sublayer's scale and each refitted write's relative error before and after."""
     real = batch["attention_mask"].bool()
     base, targets = model.base_model, targets or {}
     scales, hooks, branch_norm_scales, streams, errors = {}, [], {}, {}, {}

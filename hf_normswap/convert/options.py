@@ -1,6 +1,6 @@
 """What `convert` may change and how it runs: one declaration for the Python keywords, the CLI and the checks."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..model.configuration_normswap import NORM_PLACEMENTS, NORM_TYPES, POSITION_EMBEDDING_TYPES
 from ..model.heads import HEAD_CLASSES
@@ -62,11 +62,7 @@ class ConvertOptions:
     )
 
     def __post_init__(self):
-        for name in ("attention", "dtype"):  # the others are checked against the source's configuration
-            value, allowed = getattr(self, name), _field(name).metadata["choices"]
-            if value is not None and value not in allowed:
-                raise ConversionError(f"{name}={value!r} is invalid: allowed are {list(allowed)}")
-
-
-def _field(name: str):
-    return ConvertOptions.__dataclass_fields__[name]
+        for option in fields(self):  # norm_placement's length and the head's family are checked against the source
+            value, allowed = getattr(self, option.name), option.metadata.get("choices")
+            if allowed and value is not None and value not in allowed:
+                raise ConversionError(f"{option.name}={value!r} is invalid: allowed are {list(allowed)}")

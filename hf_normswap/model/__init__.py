@@ -1,10 +1,17 @@
-"""The NormSwap model: its configuration and modeling files (shipped to the Hub as remote code), heads, packing."""
+"""The NormSwap model: its Hub code files (shipped as remote code), heads, packing."""
 
 import shutil
 from pathlib import Path
 
 
-REMOTE_CODE_FILES = ("configuration_normswap.py", "modeling_normswap.py")  # what a saved checkpoint carries
+REMOTE_CODE_FILES = (  # what a saved checkpoint carries: the Hub code, importing only torch, transformers and itself
+    "configuration_normswap.py",
+    "norms_normswap.py",
+    "positions_normswap.py",
+    "packed_sequences_normswap.py",
+    "layers_normswap.py",
+    "modeling_normswap.py",
+)
 
 
 def copy_remote_code(destination: Path) -> None:

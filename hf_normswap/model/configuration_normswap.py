@@ -45,6 +45,95 @@ def _require(condition: bool, field: str, value, allowed: str) -> None:
         raise ValueError(f"NormSwapConfig.{field}={value!r} is invalid: {allowed}.")
 
 
+def _check_rows(config, rows) -> None:
+    """Checks `(field, test, allowed)` rows in order: `test(value, config)` must hold, or the error says `allowed`,
+    formatted with the config (`{config.vocab_size}`)."""
+    for field, test, allowed in rows:
+        value = getattr(config, field)
+        _require(test(value, config), field, value, allowed.format(config=config))
+
+
+_POSITIVE_INTEGER = "must be a positive integer"
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_SIZE_CHECKS = (
+    *((field, lambda value, config: value >= 1, _POSITIVE_INTEGER) for field in (*_SIZES, "embedding_size")),
+    ("head_dim", lambda value, config: value >= 1, _POSITIVE_INTEGER),
+    (
+        "num_key_value_heads",
+        lambda value, config: value >= 1 and config.num_attention_heads % value == 0,
+        "must be a positive divisor of num_attention_heads ({config.num_attention_heads})",
+    ),
+)
+_NORM_AND_POSITION_CHECKS = (
+    (
+        "first_attention_input_norm",
+        lambda value, config: value or "input_norm" in NORM_PLACEMENTS[config.layer_norm_placements[0]],
+        "False leaves out the first layer's attention input norm, which its placement "
+        "{config.layer_norm_placements[0]!r} does not have",
+    ),
+    ("norm_type", lambda value, config: value in NORM_TYPES, f"allowed types are {list(NORM_TYPES)}"),
+    ("norm_eps", lambda value, config: value > 0, "must be positive"),
+    ("dyt_alpha_init", lambda value, config: value > 0, "must be positive"),
+    (
+        "position_embedding_type",
+        lambda value, config: value in POSITION_EMBEDDING_TYPES,
+        f"allowed types are {list(POSITION_EMBEDDING_TYPES)}",
+    ),
+    ("max_position_embeddings", lambda value, config: value >= 1, _POSITIVE_INTEGER),
+    ("position_offset", lambda value, config: value >= 0, "must be 0 or more"),
+    (
+        "position_offset",
+        lambda value, config: config.position_embedding_type != "absolute" or value < config.max_position_embeddings,
+        "absolute positions must start inside the table of {config.max_position_embeddings}",
+    ),
+    (
+        "head_dim",
+        lambda value, config: config.position_embedding_type != "rope" or value % 2 == 0,
+        "rope needs an even head_dim",
+    ),
+)
+_MODULE_CHECKS = (
+    ("qk_norm_scope", lambda value, config: value in QK_NORM_SCOPES, f"allowed scopes are {list(QK_NORM_SCOPES)}"),
+    *(
+        (field, lambda value, config: value is None or value > 0, "must be None or positive")
+        for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+    ),
+    ("embedding_multiplier", lambda value, config: value > 0, "must be positive"),
+    ("type_vocab_size", lambda value, config: value >= 0, "must be 0 (none) or more"),
+    ("hidden_act", lambda value, config: value in ACT2FN, f"allowed are {sorted(ACT2FN)}"),
+    ("mlp_type", lambda value, config: value in MLP_TYPES, f"allowed types are {list(MLP_TYPES)}"),
+    (
+        "classifier_pooling",
+        lambda value, config: value in CLASSIFIER_POOLINGS,
+        f"allowed poolings are {list(CLASSIFIER_POOLINGS)}",
+    ),
+    (
+        "classifier_activation",
+        lambda value, config: value is None or value in ACT2FN,
+        f"allowed are None (no dense layer) and {sorted(ACT2FN)}",
+    ),
+    *(
+        (
+            field,
+            lambda value, config: not value or config.classifier_activation is not None,
+            "needs the classifier head's dense layer (classifier_activation, None here)",
+        )
+        for field in ("classifier_norm", "token_classifier_head")
+    ),
+    *(
+        (field, lambda value, config: value is None or 0 <= value < 1, "must be in [0, 1)")
+        for field in ("attention_dropout", "hidden_dropout", "classifier_dropout")
+    ),
+    ("initializer_range", lambda value, config: value >= 0, "must be 0 or more"),
+    (
+        "pad_token_id",
+        lambda value, config: value is None or 0 <= value < config.vocab_size,
+        "must be None or a token id below vocab_size ({config.vocab_size})",
+    ),
+    ("is_decoder", lambda value, config: not value, "cross-attention is not supported; use is_causal"),
+)
+
+
 @strict
 class NormSwapConfig(PreTrainedConfig):
     r"""
@@ -221,104 +310,25 @@ class NormSwapConfig(PreTrainedConfig):
         return (8 * self.num_hidden_layers) ** -0.25
 
     def _check_fields(self) -> None:
-        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        for field in (*sizes, "embedding_size"):
-            _require(getattr(self, field) >= 1, field, getattr(self, field), "must be a positive integer")
-        _require(self.head_dim >= 1, "head_dim", self.head_dim, "must be a positive integer")
-        _require(
-            self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads == 0,
-            "num_key_value_heads",
-            self.num_key_value_heads,
-            f"must be a positive divisor of num_attention_heads ({self.num_attention_heads})",
-        )
+        _check_rows(self, _SIZE_CHECKS)
+        self._check_norm_placement()
+        _check_rows(self, _NORM_AND_POSITION_CHECKS)
+        self._check_attention_types()
+        _check_rows(self, _MODULE_CHECKS)
+
+    def _check_norm_placement(self) -> None:
         allowed = f"allowed placements are {sorted(NORM_PLACEMENTS)}"
         if isinstance(self.norm_placement, str):
             _require(self.norm_placement in NORM_PLACEMENTS, "norm_placement", self.norm_placement, allowed)
-        else:
-            _require(
-                len(self.norm_placement) == self.num_hidden_layers,
-                "norm_placement",
-                self.norm_placement,
-                f"a per-layer list needs one value for each of the {self.num_hidden_layers} layers",
-            )
-            for placement in self.norm_placement:
-                _require(placement in NORM_PLACEMENTS, "norm_placement", placement, allowed)
+            return
         _require(
-            self.first_attention_input_norm or "input_norm" in NORM_PLACEMENTS[self.layer_norm_placements[0]],
-            "first_attention_input_norm",
-            self.first_attention_input_norm,
-            "False leaves out the first layer's attention input norm, which its placement "
-            f"{self.layer_norm_placements[0]!r} does not have",
+            len(self.norm_placement) == self.num_hidden_layers,
+            "norm_placement",
+            self.norm_placement,
+            f"a per-layer list needs one value for each of the {self.num_hidden_layers} layers",
         )
-        _require(self.norm_type in NORM_TYPES, "norm_type", self.norm_type, f"allowed types are {list(NORM_TYPES)}")
-        _require(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be positive")
-        _require(self.dyt_alpha_init > 0, "dyt_alpha_init", self.dyt_alpha_init, "must be positive")
-        _require(
-            self.position_embedding_type in POSITION_EMBEDDING_TYPES,
-            "position_embedding_type",
-            self.position_embedding_type,
-            f"allowed types are {list(POSITION_EMBEDDING_TYPES)}",
-        )
-        _require(
-            self.max_position_embeddings >= 1,
-            "max_position_embeddings",
-            self.max_position_embeddings,
-            "must be a positive integer",
-        )
-        _require(self.position_offset >= 0, "position_offset", self.position_offset, "must be 0 or more")
-        if self.position_embedding_type == "absolute":
-            _require(
-                self.position_offset < self.max_position_embeddings,
-                "position_offset",
-                self.position_offset,
-                f"absolute positions must start inside the table of {self.max_position_embeddings}",
-            )
-        if self.position_embedding_type == "rope":
-            _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "rope needs an even head_dim")
-        self._check_attention_types()
-        _require(
-            self.qk_norm_scope in QK_NORM_SCOPES,
-            "qk_norm_scope",
-            self.qk_norm_scope,
-            f"allowed scopes are {list(QK_NORM_SCOPES)}",
-        )
-        for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-            value = getattr(self, field)
-            _require(value is None or value > 0, field, value, "must be None or positive")
-        _require(self.embedding_multiplier > 0, "embedding_multiplier", self.embedding_multiplier, "must be positive")
-        _require(self.type_vocab_size >= 0, "type_vocab_size", self.type_vocab_size, "must be 0 (none) or more")
-        _require(self.hidden_act in ACT2FN, "hidden_act", self.hidden_act, f"allowed are {sorted(ACT2FN)}")
-        _require(self.mlp_type in MLP_TYPES, "mlp_type", self.mlp_type, f"allowed types are {list(MLP_TYPES)}")
-        _require(
-            self.classifier_pooling in CLASSIFIER_POOLINGS,
-            "classifier_pooling",
-            self.classifier_pooling,
-            f"allowed poolings are {list(CLASSIFIER_POOLINGS)}",
-        )
-        _require(
-            self.classifier_activation is None or self.classifier_activation in ACT2FN,
-            "classifier_activation",
-            self.classifier_activation,
-            f"allowed are None (no dense layer) and {sorted(ACT2FN)}",
-        )
-        for field in ("classifier_norm", "token_classifier_head"):
-            _require(
-                not getattr(self, field) or self.classifier_activation is not None,
-                field,
-                getattr(self, field),
-                "needs the classifier head's dense layer (classifier_activation, None here)",
-            )
-        for field in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
-            value = getattr(self, field)
-            _require(value is None or 0 <= value < 1, field, value, "must be in [0, 1)")
-        _require(self.initializer_range >= 0, "initializer_range", self.initializer_range, "must be 0 or more")
-        _require(
-            self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
-            "pad_token_id",
-            self.pad_token_id,
-            f"must be None or a token id below vocab_size ({self.vocab_size})",
-        )
-        _require(not self.is_decoder, "is_decoder", self.is_decoder, "cross-attention is not supported; use is_causal")
+        for placement in self.norm_placement:
+            _require(placement in NORM_PLACEMENTS, "norm_placement", placement, allowed)
 
     def _check_attention_types(self) -> None:
         _require(
@@ -346,7 +356,8 @@ class NormSwapConfig(PreTrainedConfig):
                 set(self.rope_parameters) == set(self.layer_types),
                 "rope_parameters",
                 self.rope_parameters,
-                f"a dict per layer type needs one entry for each type in layer_types ({sorted(set(self.layer_types))})",
+                "a dict per layer type needs one entry for each type in layer_types "
+                f"({sorted(set(self.layer_types))})",
             )
 
     def convert_rope_params_to_dict(self, **kwargs):

@@ -86,7 +86,8 @@ def pack_padded(batch: dict[str, torch.Tensor], pad_token_id: int = 0) -> tuple[
 
 
 def unpack(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Per-token `states` (rows, length, ...) of a packed batch laid back out as the padded batch (zeros at padding)."""
+    """Per-token `states` (rows, length, ...) of a packed batch laid back out as the padded batch (zeros at
+    padding)."""
     flat = states.flatten(0, 1)[index.clamp_min(0).flatten().to(states.device)]
     flat = flat * (index.flatten() >= 0).to(states.device, states.dtype).view(-1, *[1] * (states.dim() - 2))
     return flat.view(*index.shape, *states.shape[2:])

@@ -1,4 +1,4 @@
-"""Per-layer training diagnostics: gradient norms of attention and feed-forward, the residual stream's RMS, collapse."""
+"""Per-layer training diagnostics: gradient norms of attention and feed-forward, residual-stream RMS, collapse."""
 
 import re
 

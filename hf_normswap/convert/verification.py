@@ -1,0 +1,190 @@
+"""Verifying a conversion: the unswapped conversion must compute what the source computes (or nothing is written),
+and the written model is measured against the source: exact or not, how far, the swap's effect, collapse."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from ..checkpoint import read_tensors, resolve_source, weight_files
+from ..model.configuration_normswap import NormSwapConfig
+from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, local_name
+from ..probes.collapse import COLLAPSE_MARGIN, conversion_collapse
+from ..probes.swap_effect import swap_effect
+from .exact_swaps import keeps_last_hidden_state
+from .families import Family, family_of, normswap_config
+from .options import ConversionError
+from .plan import ConversionPlan
+
+
+HIDDEN_TOLERANCE = 1e-5
+LOGITS_TOLERANCE = 1e-4
+
+
+@dataclass
+class Tolerance:
+    last_hidden_state: float
+    logits: float
+
+
+@dataclass
+class Distance:
+    """Max |difference| between two models on the real tokens of a batch (None: not compared)."""
+
+    last_hidden_state_max_abs_diff: float | None
+    logits_max_abs_diff: float | None
+
+
+@dataclass
+class Measured(Distance):
+    mode: str  # the attention the source was run with: "causal" or "bidirectional"
+
+
+@dataclass
+class Verification:
+    """What `verify_conversion` found; all None when verification was skipped."""
+
+    exact: bool | None = None
+    swap_distance: Distance | None = None
+    measured: Measured | None = None
+    swap_effect: dict | None = None
+    collapse: dict | None = None
+
+
+def tolerance() -> Tolerance:
+    """The tolerances within which a conversion counts as exact."""
+    return Tolerance(last_hidden_state=HIDDEN_TOLERANCE, logits=LOGITS_TOLERANCE)
+
+
+def load_plain(plain: NormSwapConfig, head: str, family: Family, files: list[Path]) -> torch.nn.Module:
+    """The unswapped NormSwap model of the source's weight files, in float32."""
+    model = HEAD_CLASSES[head]._from_config(plain, dtype=torch.float32)
+    expected = set(model.state_dict())
+    state = {}
+    for file in files:
+        for source_name, tensor in read_tensors(file):
+            for name, value in family.to_normswap(source_name, tensor.float(), head):
+                name = local_name(name=name, head=head)
+                if name in expected:
+                    state[name] = value
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def load_unswapped(source: str, head: str = "base") -> torch.nn.Module:
+    """SOURCE (folder or Hub id of a BERT-, LLaMA-family or NormSwap checkpoint) as the unswapped NormSwap model with
+    `head`, in float32: the model every conversion of it is verified against."""
+    folder, _ = resolve_source(source)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        return load_plain(normswap_config(config), head, family_of(config), weight_files(folder))
+    except (OSError, ValueError, KeyError) as error:
+        raise ConversionError(f"{source}: cannot be loaded as NormSwap ({str(error).splitlines()[0]})") from None
+
+
+def random_batch(vocab_size: int, pad_token_id: int | None, seed: int = 0):
+    """Random token ids (never the pad id) with right padding, and the attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    pad = 0 if pad_token_id is None else pad_token_id
+    input_ids = torch.randint(0, vocab_size - 1, (3, 16), generator=generator)
+    input_ids = input_ids + (input_ids >= pad).long()  # skip the pad id
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 11:] = 0
+    attention_mask[2, 5:] = 0
+    return input_ids.masked_fill(attention_mask == 0, pad), attention_mask
+
+
+def verify_conversion(*, plan: ConversionPlan, plain_model, folder: Path, compare_logits: bool, log) -> Verification:
+    """Runs the source, the unswapped conversion (`plain_model`) and the model written in FOLDER on random padded
+    inputs. Raises when the unswapped conversion is beyond tolerance; records whether the written model is exact,
+    how far it is, the swap's effect and collapse."""
+    native = NATIVE_AUTO_CLASSES[plan.head].from_pretrained(plan.folder, dtype=torch.float32).eval()
+    plain = plain_model.config
+    if native.config.pad_token_id is None:  # causal-LM classifiers find the last token by a pad id
+        native.config.pad_token_id = plain.eos_token_id if isinstance(plain.eos_token_id, int) else 0
+    batch = random_batch(plain.vocab_size, native.config.pad_token_id)
+    measured = _measure_unswapped(native, plain_model, plan.head, batch, compare_logits, log)
+
+    written = HEAD_CLASSES[plan.head].from_pretrained(folder, dtype=torch.float32).eval()
+    compare_hidden = keeps_last_hidden_state(kind=plan.exact_swap, head=plan.head)
+    swap_distance = _distance(native, written, plan.head, batch, compare_hidden, compare_logits)
+    exact = (compare_hidden or compare_logits) and _within_tolerance(swap_distance)
+    compared = ", ".join(
+        f"{what} {value:.2e}"
+        for what, value in (
+            ("last hidden state", swap_distance.last_hidden_state_max_abs_diff),
+            ("logits", swap_distance.logits_max_abs_diff),
+        )
+        if value is not None
+    )
+    log(f"written model: {'exact' if exact else 'approximate'} (max |difference| to the source: {compared})")
+
+    effect = swap_effect(before=plain_model, after_folder=folder, head=plan.head)
+    log(_swap_line(effect))
+    collapse = conversion_collapse(source=plain_model, folder=folder)
+    log(_collapse_line(collapse))
+    return Verification(
+        exact=exact, swap_distance=swap_distance, measured=measured, swap_effect=effect, collapse=collapse
+    )
+
+
+def _measure_unswapped(native, plain_model, head: str, batch, compare_logits: bool, log) -> Measured:
+    """How far the unswapped conversion is from the source; raises beyond tolerance."""
+    distance = _distance(native, plain_model, head, batch, True, compare_logits)
+    hidden, logits = distance.last_hidden_state_max_abs_diff, distance.logits_max_abs_diff
+    mode = "causal" if plain_model.config.is_causal else "bidirectional"
+    log(
+        f"verified against {type(native).__name__} ({mode}): max |difference| last hidden state {hidden:.2e}"
+        + (f", logits {logits:.2e}" if logits is not None else "")
+    )
+    if not _within_tolerance(distance):
+        on_logits = "not compared" if logits is None else f"{logits:.3e}"
+        raise ConversionError(
+            f"verification failed: max |difference| {hidden:.3e} on the last hidden state (tolerance "
+            f"{HIDDEN_TOLERANCE}), {on_logits} on the logits (tolerance {LOGITS_TOLERANCE}); nothing was written"
+        )
+    return Measured(last_hidden_state_max_abs_diff=hidden, logits_max_abs_diff=logits, mode=mode)
+
+
+def _distance(native, ours, head: str, batch, compare_hidden: bool, compare_logits: bool) -> Distance:
+    """Max |difference| between two models on the real tokens of `batch`: last hidden state, head logits."""
+    input_ids, attention_mask = batch
+    real = attention_mask.bool()
+    hidden_diff = logits_diff = None
+    with torch.no_grad():
+        if compare_hidden:
+            native_hidden = native.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
+            ours_hidden = ours.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden_diff = (native_hidden - ours_hidden)[real].abs().max().item()
+        if compare_logits:
+            native_outputs = native(input_ids, attention_mask=attention_mask, return_dict=False)
+            ours_outputs = ours(input_ids, attention_mask=attention_mask, return_dict=False)
+            count = 2 if head == "question-answering" else 1  # start and end logits
+            differences = [(a - b).abs() for a, b in zip(native_outputs[:count], ours_outputs[:count])]
+            per_token = head != "sequence-classification"
+            logits_diff = max((d[real] if per_token else d).max().item() for d in differences)
+    return Distance(last_hidden_state_max_abs_diff=hidden_diff, logits_max_abs_diff=logits_diff)
+
+
+def _within_tolerance(distance: Distance) -> bool:
+    hidden, logits = distance.last_hidden_state_max_abs_diff, distance.logits_max_abs_diff
+    return (hidden is None or hidden <= HIDDEN_TOLERANCE) and (logits is None or logits <= LOGITS_TOLERANCE)
+
+
+def _swap_line(effect: dict) -> str:
+    if effect["metric"] == "cosine_similarity":
+        return f"swap effect: cosine similarity of hidden states before/after {effect['after']:.4f}"
+    return f"swap effect: {effect['metric']} {effect['before']:.4f} -> {effect['after']:.4f}"
+
+
+def _collapse_line(collapse: dict) -> str:
+    source, variant = collapse["source"], collapse["variant"]
+    line = (
+        f"collapse (mean pairwise cosine of first-token / mean vectors, final output): source "
+        f"{source['first_token'][-1]:.4f} / {source['mean'][-1]:.4f}, converted {variant['first_token'][-1]:.4f} / "
+        f"{variant['mean'][-1]:.4f}"
+    )
+    return line + (
+        f"; more than {COLLAPSE_MARGIN} above the source: the swap collapsed it" if collapse["flagged"] else ""
+    )

@@ -1,0 +1,97 @@
+"""The text a healing trains and measures on: read from a GLUE task, a local file or the Hub, then tokenized."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import Dataset, load_dataset
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
+
+from ..tasks import GLUE_TASKS, load_task
+from .options import HealError, HealOptions
+
+
+@dataclass
+class HealTexts:
+    """The tokenized training rows with the collator that batches them, and the padded held-out batches."""
+
+    train: Dataset
+    collator: DataCollatorWithPadding | DataCollatorForLanguageModeling
+    held_out: list[dict]
+    held_out_rows: int
+    columns: list[str]
+
+
+def heal_texts(*, options: HealOptions, tokenizer) -> HealTexts:
+    """The options' data, tokenized; at most `eval_size` held-out rows, in batches of `batch_size`. With the `mlm`
+    objective, training batches have 15% of their tokens masked."""
+    train, held_out, columns = load_texts(options.data, text_column=options.text_column, data_dir=options.data_dir)
+    train = _tokenize(train, columns, tokenizer, options.max_length, options.data)
+    held_out = held_out.select(range(min(options.eval_size, len(held_out))))
+    held_out = _tokenize(held_out, columns, tokenizer, options.max_length, options.data)
+    pad = DataCollatorWithPadding(tokenizer)
+    size = options.batch_size
+    batches = [
+        dict(pad([held_out[i] for i in range(start, min(start + size, len(held_out)))]))
+        for start in range(0, len(held_out), size)
+    ]
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if options.objective == "mlm" else pad
+    return HealTexts(train=train, collator=collator, held_out=batches, held_out_rows=len(held_out), columns=columns)
+
+
+def load_texts(
+    data: str, text_column: str | None = None, data_dir: str | None = None
+) -> tuple[Dataset, Dataset, list[str]]:
+    """Training and held-out text from `data`: `sst2-sample`, a GLUE task name, a local .txt (one text a line), CSV or
+    JSON-lines file, or a datasets hub id; returns (train, held_out, text columns)."""
+    if data == "sst2-sample" or data in GLUE_TASKS:
+        task = load_task(data, data_dir=data_dir)
+        return task.data["train"], task.data["validation"], list(task.text_columns)
+    splits = _read_splits(data)
+    train = splits["train"]
+    column = text_column or ("text" if "text" in train.column_names else None)
+    if column is None or column not in train.column_names:
+        raise HealError(f"--data {data}: no text column {column!r} (use --text-column); columns: {train.column_names}")
+    if len(train) == 0:
+        raise HealError(f"data file {data} is empty")
+    if "validation" in splits:
+        return train, splits["validation"], [column]
+    held_out_rows = min(HealOptions.eval_size, max(1, len(train) // 10))  # the default eval_size, whatever is given
+    parts = train.train_test_split(test_size=held_out_rows, seed=0)
+    return parts["train"], parts["test"], [column]
+
+
+def _read_splits(data: str) -> dict[str, Dataset]:
+    """The splits of a local .txt (one text a line), CSV or JSON-lines file, or of a datasets hub id."""
+    path = Path(data)
+    if path.is_file() and path.stat().st_size == 0:
+        raise HealError(f"data file {data} is empty")
+    try:
+        if path.suffix == ".txt":
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            if not lines:
+                raise HealError(f"data file {data} holds no text")
+            return {"train": Dataset.from_dict({"text": lines})}
+        if path.is_file():
+            return load_dataset("csv" if path.suffix == ".csv" else "json", data_files=str(path))
+        if path.exists():
+            raise HealError(f"--data {data}: a folder; give a .txt, .csv or .jsonl file, a GLUE task or a hub id")
+        return load_dataset(data)
+    except HealError:
+        raise
+    except Exception as error:
+        raise HealError(f"--data {data}: cannot be read ({str(error).splitlines()[0]})") from None
+
+
+def _tokenize(rows: Dataset, columns: list[str], tokenizer, max_length: int, name: str) -> Dataset:
+    """Token ids of the texts, dropping rows that hold no token besides special ones."""
+    encoded = rows.map(
+        lambda batch: tokenizer(
+            *(batch[c] for c in columns), truncation=True, max_length=max_length, return_special_tokens_mask=True
+        ),
+        batched=True,
+        remove_columns=rows.column_names,
+    )
+    encoded = encoded.filter(lambda row: sum(row["special_tokens_mask"]) < len(row["input_ids"]))
+    if len(encoded) == 0:
+        raise HealError(f"{name}: the text holds no tokens")
+    return encoded.remove_columns("special_tokens_mask")

@@ -1,0 +1,68 @@
+"""The healing objectives: how far the student's boundary states (and masked-LM predictions) are from the teacher's.
+
+Post-LN writes normalised states into the residual stream and pre-LN does not, so every boundary but the last is
+compared after a parameter-free layer norm; the final outputs are compared as they are. The objectives:
+
+- `hidden`: mean squared error of those states, averaged over boundaries (plain layer-wise distillation);
+- `cka`: `hidden`, plus, at every boundary, 1 - linear CKA (Kornblith et al. 2019) of the batch's token states and
+  1 - linear CKA of its first-token states (states centred over the batch);
+- `similarity` (default): `hidden`, plus, at every boundary, the mean squared error between the batch's matrices of
+  cosine similarities of first-token and of mean-pooled states (similarity-preserving distillation, Tung and Mori
+  2019): what differs between inputs has to come back, not only their common direction;
+- `mlm`: `similarity`, plus the KL divergence of the masked-LM predictions on masked tokens (both need a masked-LM
+  head).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..probes.collapse import POOLINGS, pool
+
+
+def comparable(student: tuple, teacher: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs of states at each boundary: normalised without parameters, except the final outputs."""
+    pairs = [(_normalised(s), _normalised(t)) for s, t in zip(student[:-1], teacher[:-1])]
+    return pairs + [(student[-1].float(), teacher[-1].float())]
+
+
+def heal_loss(objective: str, student: tuple, teacher: tuple, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The objective's loss between the boundary states of student and teacher (tuples of (batch, seq, hidden))."""
+    real = attention_mask.bool()
+    losses = []
+    for s, t in comparable(student, teacher):
+        loss = F.mse_loss(s[real], t[real])
+        if objective == "cka":
+            loss = loss + 2 - _linear_cka(s[real], t[real]) - _linear_cka(s[:, 0], t[:, 0])
+        elif objective in ("similarity", "mlm"):
+            pooled_s, pooled_t = pool(s, attention_mask), pool(t, attention_mask)
+            loss = loss + sum(F.mse_loss(_cosine_matrix(pooled_s[p]), _cosine_matrix(pooled_t[p])) for p in POOLINGS)
+        losses.append(loss)
+    return torch.stack(losses).mean()
+
+
+def masked_lm_distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The KL divergence of the student's masked-LM predictions from the teacher's, on the masked tokens (labels
+    other than -100)."""
+    masked = labels != -100
+    return F.kl_div(
+        F.log_softmax(student[masked].float(), -1),
+        F.log_softmax(teacher[masked].float(), -1),
+        log_target=True,
+        reduction="batchmean",
+    )
+
+
+def _normalised(states: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(states.float(), states.shape[-1:])
+
+
+def _linear_cka(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Linear CKA between two sets of rows (Kornblith et al. 2019); 0 where either set has no spread."""
+    student, teacher = student - student.mean(0), teacher - teacher.mean(0)
+    cross = (student.T @ teacher).pow(2).sum()
+    return cross / ((student.T @ student).pow(2).sum() * (teacher.T @ teacher).pow(2).sum()).clamp_min(1e-12).sqrt()
+
+
+def _cosine_matrix(rows: torch.Tensor) -> torch.Tensor:
+    unit = F.normalize(rows, dim=-1)
+    return unit @ unit.T

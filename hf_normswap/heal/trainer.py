@@ -1,0 +1,81 @@
+"""The Trainer that heals: its loss is the distance of the student's boundary states to the teacher's, on the same
+batch (padding-free with `packing`); a callback measures the student on held-out text along the way."""
+
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from ..model.packing import pack_padded, unpack
+from .losses import heal_loss, masked_lm_distillation
+from .measure import measure
+from .options import HealOptions
+
+
+class HealTrainer(Trainer):
+    """A Trainer whose loss is the distance of the model's boundary states to the teacher's (both run on the same
+    batch, padding-free with `packing`)."""
+
+    def __init__(self, *args, teacher: torch.nn.Module, objective: str, packing: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher.to(self.args.device).eval()
+        self.objective = objective
+        self.packing = packing
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels", None)
+        packed, index = pack_padded(inputs) if self.packing else (inputs, None)
+        packed = {key: value.to(self.args.device) for key, value in packed.items()}
+        with torch.no_grad():
+            teacher = _outputs(self.teacher, packed, index, token_logits=labels is not None)
+        student = _outputs(model, packed, index, token_logits=labels is not None)
+        loss = heal_loss(self.objective, student.hidden_states, teacher.hidden_states, inputs["attention_mask"])
+        if labels is not None:  # masked-LM distillation on the masked tokens
+            loss = loss + masked_lm_distillation(student.logits, teacher.logits, labels=labels)
+        return (loss, student) if return_outputs else loss
+
+
+def _outputs(model: torch.nn.Module, batch: dict, index: torch.Tensor | None, token_logits: bool):
+    """The model's outputs on `batch`; for a packed batch (`index` from `pack_padded`), its hidden states (and
+    per-token logits) laid back out as the padded batch."""
+    outputs = model(**batch, output_hidden_states=True)
+    if index is not None:
+        outputs.hidden_states = tuple(unpack(states, index) for states in outputs.hidden_states)
+        if token_logits:
+            outputs.logits = unpack(outputs.logits, index)
+    return outputs
+
+
+def training_arguments(*, options: HealOptions, output_dir: Path, quiet: bool) -> TrainingArguments:
+    """The Trainer's arguments: 10% warm-up then linear decay, seeded; resumable checkpoints only in the options'
+    `checkpoint_dir`."""
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=options.max_steps,
+        learning_rate=options.learning_rate,
+        per_device_train_batch_size=options.batch_size,
+        warmup_steps=0.1,
+        lr_scheduler_type="linear",
+        logging_steps=max(1, options.max_steps // 20),
+        save_strategy="steps" if options.checkpoint_dir else "no",
+        save_steps=max(1, options.max_steps // 5),
+        save_total_limit=1,
+        seed=0,
+        data_seed=0,
+        report_to=[],
+        remove_unused_columns=False,
+        disable_tqdm=quiet,
+        use_cpu=not torch.accelerator.is_available(),
+    )
+
+
+class HealProbeCallback(TrainerCallback):
+    """Measures the student on the held-out batches every `every` steps before the last, for the plot."""
+
+    def __init__(self, batches: list[dict], teacher_states: list[tuple], every: int):
+        self.batches, self.teacher_states, self.every, self.history = batches, teacher_states, every, []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0 and state.global_step < state.max_steps:
+            last = measure(model, self.batches, self.teacher_states)[-1]
+            self.history.append({"step": state.global_step, **last})

@@ -1,0 +1,171 @@
+"""The model card of a NormSwap variant: metadata, what changed, how it was measured, the comparison."""
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from transformers import AutoConfig
+
+from ..model.heads import NATIVE_AUTO_CLASSES, head_of_config
+from ..tasks import GLUE_TASKS
+
+
+PIPELINE_TAGS = {
+    "base": "feature-extraction",
+    "masked-lm": "fill-mask",
+    "sequence-classification": "text-classification",
+    "token-classification": "token-classification",
+    "question-answering": "question-answering",
+    "causal-lm": "text-generation",
+}
+TEMPLATE = "normswap_variant.md"
+COMPARISON_PLOTS = ("loss.png", "eval_metric.png", "grad_norm_init.png", "residual_rms.png")
+
+
+def template_path() -> Path:
+    """The model-card template in `model_cards/` (installed as `hf_normswap.model_cards`)."""
+    return Path(str(resources.files("hf_normswap.model_cards") / TEMPLATE))
+
+
+def _card_data(folder: Path, repo_id: str, config, head: str, base_model: str | None, license: str | None, datasets):
+    conversion = json.loads((folder / "conversion.json").read_text()) if (folder / "conversion.json").exists() else {}
+    source = conversion.get("source", {})
+    from_hub = source.get("revision") is not None  # a local source has no revision
+    base_model = base_model or (source.get("id") if from_hub else None)
+    if not base_model:
+        raise ValueError(
+            f"model card field 'base_model' is missing: {folder}/conversion.json names no Hub id; pass --base-model"
+        )
+    license = license or source.get("license")
+    if not license:
+        raise ValueError("model card field 'license' is missing: the source card gives none; pass --license")
+    placement = config.norm_placement if isinstance(config.norm_placement, str) else "mix_ln"
+    return conversion, ModelCardData(
+        model_name=repo_id.split("/")[-1],
+        library_name="transformers",
+        base_model=base_model,
+        license=license,
+        tags=["normswap", f"norm-placement-{placement}", f"position-{config.position_embedding_type}"],
+        pipeline_tag=PIPELINE_TAGS[head],
+        datasets=datasets or None,
+    )
+
+
+def _comparison(folder: Path, variant: str | None) -> tuple[dict | None, str | None]:
+    """The comparison results for this variant, when `folder` sits in a comparison output (`variants/NAME`)."""
+    results_file = folder.parent.parent / "results.json"
+    if folder.parent.name != "variants" or not results_file.exists():
+        return None, None
+    results = json.loads(results_file.read_text())
+    name = variant or next((v for v in results["summary"] if v.replace(":", "-") == folder.name), None)
+    return (results, name) if name in results["summary"] else (None, None)
+
+
+def _calibration_line(calibration: dict | None) -> str | None:
+    if not calibration:
+        return None
+    scales, refitted = calibration["write_scales"].values(), calibration.get("refit_errors") or {}
+    refit = f", {len(refitted)} refitted against the source (ridge {calibration['ridge']:g})" if refitted else ""
+    return f"scaled by {min(scales):.3g} to {max(scales):.3g}{refit}, fitted on {calibration['data']}"
+
+
+def build_card(
+    folder: Path, repo_id: str, *, base_model=None, license=None, datasets=None, variant=None
+) -> tuple[ModelCard, list[str]]:
+    """The model card of the NormSwap checkpoint in `folder`, and the comparison plots it shows."""
+    config = AutoConfig.from_pretrained(folder)
+    head = head_of_config(config)
+    conversion, data = _card_data(folder, repo_id, config, head, base_model, license, datasets)
+    results, name = _comparison(folder, variant)
+    plots = []
+    if results and results["task"]["name"] in GLUE_TASKS:  # a model-index only for the real GLUE validation sets
+        data.datasets = data.datasets or ["nyu-mll/glue"]
+        data.eval_results = _eval_results(results, name)
+    if results:
+        plots = [p for p in COMPARISON_PLOTS if (folder.parent.parent / p).exists()]
+    placement = config.norm_placement if isinstance(config.norm_placement, str) else ", ".join(config.norm_placement)
+    card = ModelCard.from_template(
+        data,
+        template_path=str(template_path()),
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        base_model=data.base_model,
+        placement=placement,
+        position=config.position_embedding_type,
+        attention="causal" if config.is_causal else "bidirectional",
+        auto_class=NATIVE_AUTO_CLASSES[head].__name__,
+        **_conversion_fields(conversion, placement=placement, position=config.position_embedding_type),
+        comparison_intro=_comparison_intro(results, name) if results else None,
+        comparison_table="\n".join(_comparison_rows(results)) if results else None,
+        plots=plots,
+    )
+    return card, plots
+
+
+def _eval_results(results: dict, name: str) -> list[EvalResult]:
+    """The model-index entries: the variant's mean validation scores on a GLUE task."""
+    task = results["task"]["name"]
+    return [
+        EvalResult(
+            task_type="text-classification",
+            dataset_type="nyu-mll/glue",
+            dataset_name=f"GLUE {task.upper()}",
+            dataset_config=task,
+            dataset_split="validation",
+            metric_type=metric,
+            metric_value=round(summary["mean"], 4),
+        )
+        for metric, summary in results["summary"][name]["metrics"].items()
+        if metric != "loss"
+    ]
+
+
+def _conversion_fields(conversion: dict, placement: str, position: str) -> dict:
+    """The template's fields that come from `conversion.json`: the swap, the calibration, the measurements."""
+    swap = conversion.get("swap", {})
+    measured = conversion.get("measured") or {}
+    effect = conversion.get("swap_effect")
+    logits = measured.get("logits_max_abs_diff")
+    weights = conversion.get("weights", {})
+    return dict(
+        source_placement=(swap.get("norm_placement") or [placement])[0],
+        source_position=(swap.get("position_embedding_type") or [position])[0],
+        source_attention=(swap.get("attention") or ["", ""])[0],
+        norm_mapping=conversion.get("norm_mapping", "n/a"),
+        calibration=_calibration_line(conversion.get("calibration")),
+        measured=bool(measured),
+        measured_hidden=f"{measured.get('last_hidden_state_max_abs_diff', 0):.2e}",
+        measured_logits=f"{logits:.2e}" if logits is not None else None,
+        measured_mode=measured.get("mode"),
+        swap_effect=(
+            f"{effect['metric'].replace('_', ' ')} {effect['before']:.4f} before, {effect['after']:.4f} after"
+            if effect
+            else None
+        ),
+        dropped=", ".join(weights.get("dropped", [])),
+        initialized=", ".join(weights.get("initialized", [])),
+    )
+
+
+def _comparison_intro(results: dict, name: str) -> str:
+    return (
+        f"This variant (`{name}`) and its siblings fine-tuned on {results['task']['name']} through the Trainer "
+        f"over {results['experiment']['seeds']} seed(s), validation metrics: the uploaded weights are the starting "
+        "point (before fine-tuning), and the scores say how well it fine-tunes."
+    )
+
+
+def _comparison_rows(results: dict) -> list[str]:
+    metrics = [m for m in next(iter(results["summary"].values()))["metrics"] if m != "loss"]
+    rows = [
+        "| variant | " + " | ".join(f"{m} (mean ± std)" for m in metrics) + " | failed runs |",
+        "|---|" + "---|" * (len(metrics) + 1),
+    ]
+    for variant, summary in results["summary"].items():
+        cells = []
+        for metric in metrics:
+            value = summary["metrics"][metric]
+            cells.append(f"{value['mean']:.4f}" + (f" ± {value['std']:.4f}" if value["std"] is not None else ""))
+        rows.append(f"| {variant} | " + " | ".join(cells) + f" | {summary['failed_runs']} / {summary['runs']} |")
+    return rows
