@@ -16,7 +16,7 @@ import yaml
 from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as transformers_logging
 
-from .compare.experiment import Experiment
+from .compare.experiment import DEFAULT_EXPERIMENT, Experiment
 from .convert.options import ConvertOptions
 from .heal.options import HealOptions
 
@@ -145,24 +145,31 @@ def _run_heal(args) -> None:
 
 
 def _add_compare(commands) -> None:
+    embedded, plain = Experiment.from_file(DEFAULT_EXPERIMENT), Experiment()
+    shown = {}
+    for field in dataclasses.fields(Experiment):
+        default, with_model = (getattr(experiment, field.name) for experiment in (embedded, plain))
+        default, with_model = (",".join(map(str, v)) if isinstance(v, list) else v for v in (default, with_model))
+        shown[field.name] = default if default == with_model else f"{default}; with --model: {with_model}"
     parser = commands.add_parser(
         "compare",
         help="fine-tune variants through the Trainer and report",
         description="Without --model or --config, the embedded default experiment "
         "(hf_normswap/data/default_experiment.yaml: all-MiniLM-L6-v2 as post, pre, pre+heal and sandwich+heal on the "
-        "shipped SST-2 sample) is the base that options override.",
+        "shipped SST-2 sample) is the base that options override, and the defaults shown are its values. With "
+        "--model, the experiment's own defaults apply instead (shown after 'with --model:' where they differ); with "
+        "--config, the file's values, and those defaults for what it leaves out.",
     )
     parser.add_argument(
         "--config",
         help="a YAML or JSON experiment file, or the name of one shipped with the package (stability); "
         "options given here take precedence",
     )
-    add_options(parser, Experiment)
+    add_options(parser, Experiment, shown=types.SimpleNamespace(**shown))
 
 
 def _run_compare(args) -> None:
-    from .compare.comparison import run_comparison
-    from .compare.experiment import DEFAULT_EXPERIMENT
+    from .compare import run_comparison
 
     options = given(args, Experiment)
     base = args.config or (DEFAULT_EXPERIMENT if args.model is None else None)

@@ -9,7 +9,7 @@ from datasets import ClassLabel, DatasetDict, load_dataset
 
 
 DATA_DIR = Path(__file__).parent / "data"
-GLUE_TASKS = {"sst2": ("sentence", None), "rte": ("sentence1", "sentence2")}
+GLUE_TASKS = {"sst2": ("sentence", None), "rte": ("sentence1", "sentence2")}  # name: its text columns
 
 
 @dataclass
@@ -53,7 +53,8 @@ def load_task(
         data, metric = _local(Path(task)), "accuracy"
     else:
         raise ValueError(
-            f"task {task!r} is neither a GLUE task ({', '.join(GLUE_TASKS)}, sst2-sample) nor an existing file or folder"
+            f"task {task!r} is neither a GLUE task ({', '.join(GLUE_TASKS)}, sst2-sample) nor an existing file or "
+            "folder"
         )
     for split in ("train", "validation"):
         if len(data[split]) == 0:
@@ -101,7 +102,8 @@ def _glue(task: str, data_dir: str | None) -> DatasetDict:
     except Exception as error:
         raise ValueError(
             f"GLUE task {task!r} could not be loaded from the datasets hub ({str(error).splitlines()[0]}); offline, "
-            "pass --data-dir (or set HF_NORMSWAP_GLUE_DIR) to a folder holding TASK/train.jsonl and TASK/validation.jsonl"
+            "pass --data-dir (or set HF_NORMSWAP_GLUE_DIR) to a folder holding TASK/train.jsonl and "
+            "TASK/validation.jsonl"
         ) from None
 
 

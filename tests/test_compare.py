@@ -11,7 +11,9 @@ from transformers import Trainer
 
 from hf_normswap.cli import main as cli
 from hf_normswap.compare import comparison as compare
+from hf_normswap.compare import runner, variants
 from hf_normswap.compare.comparison import Experiment, run_comparison
+from hf_normswap.compare.experiment import Variant
 
 from helpers import save_source, tiny_task
 
@@ -108,14 +110,14 @@ def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source,
                 raise KeyboardInterrupt
             return super().training_step(*args, **kwargs)
 
-    monkeypatch.setattr(compare, "Trainer", Interrupted)
+    monkeypatch.setattr(runner, "Trainer", Interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_comparison(
             experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b"))
         )
     finished = tmp_path / "b" / "runs" / "post-seed0" / "result.json"
     assert not finished.exists() and list((tmp_path / "b" / "runs" / "post-seed0").glob("checkpoint-*"))
-    monkeypatch.setattr(compare, "Trainer", Trainer)
+    monkeypatch.setattr(runner, "Trainer", Trainer)
     resumed = run_comparison(
         experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b"))
     )
@@ -136,7 +138,8 @@ def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source,
 
 
 def test_packing_gives_the_results_of_padding(tmp_path):
-    """--packing changes the layout of every batch, not the examples in it: the same losses, gradient norms and metrics."""
+    """--packing changes the layout of every batch, not the examples in it: the same losses, gradient norms and
+    metrics."""
     save_source(tmp_path / "bert", "bert", "Model", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     runs = {}
     for packing in (False, True):
@@ -169,8 +172,10 @@ def test_experiment_file_and_random_init_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_source(tmp_path / "tokenizer", "bert", "Model")
     (tmp_path / "experiment.yaml").write_text(
-        f"model: {tmp_path / 'config.json'}\ntokenizer: {tmp_path / 'tokenizer'}\nvariants: [post, 'pre:rope', deepnorm]\n"
-        f"task: {tiny_task(tmp_path / 'task')}\ntext_columns: [text]\nseeds: 1\nepochs: 1\nbatch_size: 16\nlogging_steps: 1\npacking: true\n"
+        f"model: {tmp_path / 'config.json'}\ntokenizer: {tmp_path / 'tokenizer'}\n"
+        "variants: [post, 'pre:rope', deepnorm]\n"
+        f"task: {tiny_task(tmp_path / 'task')}\ntext_columns: [text]\nseeds: 1\nepochs: 1\nbatch_size: 16\n"
+        "logging_steps: 1\npacking: true\n"
     )
     assert cli(["compare", "--config", str(tmp_path / "experiment.yaml"), "--output", str(tmp_path / "out")]) == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -452,7 +457,7 @@ def test_settings_search_scores_on_the_development_split_never_validation(tmp_pa
             evaluated.append((Path(self.args.output_dir).parent.name, sorted(self.eval_dataset["input_ids"])))
             return super().evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(compare, "Trainer", Recording)
+    monkeypatch.setattr(runner, "Trainer", Recording)
     document = run_comparison(
         experiment(
             tmp_path,
@@ -615,6 +620,6 @@ def test_calibrate_false_converts_without_calibration(tmp_path, bert_source):
     for calibrate in (True, False):
         output = tmp_path / f"out-{calibrate}"
         settings = experiment(tmp_path, bert_source, calibrate=calibrate)
-        compare._prepare_variant(bert_source, "pre", False, None, settings, output)
+        variants.prepare_variant(bert_source, Variant.parse("pre"), False, None, settings, output)
         record = json.loads((output / "variants" / "pre" / "conversion.json").read_text())
         assert (record["calibration"] is not None) is calibrate

@@ -1,14 +1,19 @@
-"""What a comparison runs: the experiment's fields (command-line options, experiment-file keys) and variant names."""
+"""What a comparison runs: the experiment's fields (command-line options, experiment-file keys, each with its check)
+and the variants it names."""
 
 import dataclasses
 import itertools
 import math
+import types
+import typing
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import yaml
 from transformers.integrations import is_tensorboard_available, is_trackio_available, is_wandb_available
 
 from ..convert.norm_mapping import NORM_MAPPINGS
+from ..heal import HealOptions
 from ..model.configuration_normswap import NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
 from ..tasks import DATA_DIR
 
@@ -20,57 +25,115 @@ TASK_TYPES = ("sequence-classification", "causal-lm")
 TRACKERS = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "trackio": is_trackio_available}
 VARIANT_SETTINGS = ("learning_rate", "warmup_ratio")  # what `VARIANT@field=value` may pin
 HEAL_SUFFIX = "+heal"  # `pre+heal`: the converted variant is healed before fine-tuning
-HEAL_SETTINGS = (
-    "data",
-    "text_column",
-    "data_dir",
-    "objective",
-    "max_steps",
-    "learning_rate",
-    "batch_size",
-    "max_length",
-    "eval_size",
-    "packing",
-    "dropout",
-    "freeze_embeddings",
+HEAL_SETTINGS = tuple(  # the comparison names the teacher (its model) and the checkpoint folder itself
+    field.name for field in dataclasses.fields(HealOptions) if field.name not in ("teacher", "checkpoint_dir")
 )
 _PATH_FIELDS = ("model", "tokenizer", "task", "data_dir")  # relative to the experiment file when found there
+
+
+class Rule(NamedTuple):
+    """A field's check on each number it holds, and what the error says is allowed."""
+
+    test: Callable[[float], bool]
+    allowed: str
+
+
+_AT_LEAST_1 = Rule(lambda v: v >= 1, "at least 1")
+_POSITIVE = Rule(lambda v: math.isfinite(v) and v > 0, "must be positive")
+
+
+def _option(
+    default, help: str, rule: Rule | None = None, allowed: tuple[str, ...] | None = None, distinct: bool = False
+):
+    """A field of the experiment: its default, its `--help` text, the `rule` its numbers follow, the names it allows
+    (`allowed`, each item of a list), and whether a list's values must differ (`distinct`). `validate` checks them
+    (not argparse), so that a bad value on the command line or in a file gives the same one-line error."""
+    metadata = {"help": help, "rule": rule, "allowed": allowed, "distinct": distinct}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass
 class Experiment:
     """What to compare and how to train; every field is also a `--` option and a key of an experiment file."""
 
-    model: str | None = None  # checkpoint folder or Hub id, or a NormSwap config JSON (random init); None: MiniLM
-    variants: list[str] = dataclasses.field(default_factory=lambda: ["post", "pre", "sandwich"])
-    reference: str | None = None  # the variant the others are compared with, seed by seed; default: the first
-    task: str = "sst2-sample"
-    task_type: str = "sequence-classification"  # or causal-lm: next-token loss and perplexity on the text columns
-    text_columns: list[str] | None = None
-    label_column: str = "label"
-    data_dir: str | None = None
-    tokenizer: str | None = None  # default: the model's (for a config JSON: MiniLM's)
-    seeds: int = 3
-    output: str = "normswap-comparison"
-    learning_rate: float = 2e-5
-    learning_rates: list[float] | None = None  # a grid (replaces learning_rate): each variant takes its best point
-    warmup_ratio: float = 0.0
-    warmup_ratios: list[float] | None = None  # a grid (replaces warmup_ratio)
-    dev_fraction: float = 0.1  # of the training data, held out (seed 0) to score the grid; validation is never used
-    search_seeds: int = 1  # runs per grid point on the development split
-    batch_size: int = 32
-    max_length: int = 128
-    epochs: float = 3.0
-    weight_decay: float = 0.0
-    max_steps: int = -1
-    max_train_samples: int | None = None
-    logging_steps: int = 10
-    norm_mapping: str = "shift"
-    calibrate: bool = True  # convert with calibrated writes where a swap needs them (`hf_normswap.calibration`)
-    allow_pickle: bool = False  # accept pytorch_model.bin (read with weights_only=True)
-    report_to: list[str] = dataclasses.field(default_factory=lambda: ["none"])  # tensorboard, wandb, trackio, none
-    packing: bool = False  # padding-free batches for the NormSwap variants; `native` ones keep padding
-    heal: dict | None = None  # settings of the `+heal` variants' healing (`hf_normswap.heal_checkpoint` keywords)
+    model: str | None = _option(
+        None,
+        "checkpoint folder or Hub id, or a NormSwap config JSON (random init); "
+        "default: all-MiniLM-L6-v2 (the demo extra)",
+    )
+    variants: list[str] = _option(
+        ["post", "pre", "sandwich"],
+        "comma-separated: native, PLACEMENT[:POSITION] or :POSITION, then +heal to heal it first, then "
+        "@learning_rate=X or @warmup_ratio=X to pin a setting",
+        distinct=True,
+    )
+    reference: str | None = _option(
+        None, "the variant the others are compared with, seed by seed; default: the first variant"
+    )
+    task: str = _option("sst2-sample", "sst2-sample, a GLUE task (sst2, rte), or a CSV / JSON-lines file or folder")
+    task_type: str = _option(
+        "sequence-classification",
+        "sequence-classification, or causal-lm: next-token loss and perplexity on the text columns",
+        allowed=TASK_TYPES,
+    )
+    text_columns: list[str] | None = _option(None, "comma-separated text columns of a task file; default: GLUE's")
+    label_column: str = _option("label", "the label column of a task file")
+    data_dir: str | None = _option(None, "folder holding GLUE TASK/train.jsonl and TASK/validation.jsonl")
+    tokenizer: str | None = _option(None, "default: the model's (for a config JSON: all-MiniLM-L6-v2's)")
+    seeds: int = _option(3, "runs per variant, seeds 0, 1, ...", _AT_LEAST_1)
+    output: str = _option("normswap-comparison", "folder of the report; a rerun resumes what is unfinished")
+    learning_rate: float = _option(2e-5, "peak learning rate", _POSITIVE)
+    learning_rates: list[float] | None = _option(
+        None,
+        "comma-separated grid (replaces learning_rate): each variant takes its best point",
+        Rule(_POSITIVE.test, "every learning rate must be positive"),
+        distinct=True,
+    )
+    warmup_ratio: float = _option(
+        0.0, "warm-up, as a fraction of the steps", Rule(lambda v: 0 <= v < 1, "a fraction of the steps, in [0, 1)")
+    )
+    warmup_ratios: list[float] | None = _option(
+        None,
+        "comma-separated grid (replaces warmup_ratio)",
+        Rule(lambda v: 0 <= v < 1, "every warm-up ratio is a fraction of the steps, in [0, 1)"),
+        distinct=True,
+    )
+    dev_fraction: float = _option(
+        0.1,
+        "of the training data, held out (seed 0) to score the grid; validation is never used",
+        Rule(lambda v: 0 < v < 1, "a fraction of the training data, in (0, 1)"),
+    )
+    search_seeds: int = _option(1, "runs per grid point on the development split", _AT_LEAST_1)
+    batch_size: int = _option(32, "examples per device and step", _AT_LEAST_1)
+    max_length: int = _option(128, "tokens per example at most", Rule(_AT_LEAST_1.test, "at least 1 token"))
+    epochs: float = _option(3.0, "training epochs", _POSITIVE)
+    weight_decay: float = _option(
+        0.0, "AdamW weight decay", Rule(lambda v: math.isfinite(v) and v >= 0, "must be 0 or more")
+    )
+    max_steps: int = _option(
+        -1,
+        "training steps; -1: train for epochs",
+        Rule(lambda v: v == -1 or v >= 1, "-1 (train for epochs) or at least 1"),
+    )
+    max_train_samples: int | None = _option(None, "cut the training data to this many examples", _AT_LEAST_1)
+    logging_steps: int = _option(10, "log the training loss every this many steps", _AT_LEAST_1)
+    norm_mapping: str = _option(
+        "shift", f"how converted norms are mapped: {', '.join(NORM_MAPPINGS)}", allowed=NORM_MAPPINGS
+    )
+    calibrate: bool = _option(True, "convert with calibrated writes where a swap needs them (see convert --help)")
+    allow_pickle: bool = _option(False, "accept pytorch_model.bin (read with weights_only=True)")
+    report_to: list[str] = _option(
+        ["none"],
+        f"comma-separated experiment trackers: {', '.join(TRACKERS)} or none",
+        allowed=("none", *TRACKERS),
+        distinct=True,
+    )
+    packing: bool = _option(False, "padding-free batches for the NormSwap variants; native ones keep padding")
+    heal: dict | None = _option(
+        None, f"the +heal variants' healing settings, as YAML (e.g. {{max_steps: 100}}): {', '.join(HEAL_SETTINGS)}"
+    )
 
     @classmethod
     def from_file(cls, path: str, **overrides) -> "Experiment":
@@ -85,51 +148,59 @@ class Experiment:
             raise ValueError(f"experiment file {path}: {str(error).splitlines()[0]}") from None
         if not isinstance(fields, dict):
             raise ValueError(f"experiment file {path}: expected a mapping of field names to values")
-        known = {field.name: field for field in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - set(known))
+        hints = typing.get_type_hints(cls)
+        unknown = sorted(set(fields) - set(hints))
         if unknown:
-            raise ValueError(f"experiment file {path}: unknown keys {unknown}; allowed: {sorted(known)}")
+            raise ValueError(f"experiment file {path}: unknown keys {unknown}; allowed: {sorted(hints)}")
         for name, value in fields.items():
-            if "list" in str(known[name].type) and isinstance(value, str):
+            if _kinds(hints[name]) == (list,) and isinstance(value, str):
                 fields[name] = value = value.split(",")
             if name in _PATH_FIELDS and isinstance(value, str) and (path.parent / value).exists():
                 fields[name] = str(path.parent / value)
         return cls(**{**fields, **{k: v for k, v in overrides.items() if v is not None}})
 
-    def validate(self) -> None:
-        """Checks every field, so that a bad value stops the comparison before any work, with a one-line error.
-        Numbers given as text (`1e-5` in YAML, grid values on the command line) are read as numbers."""
+    def validate(self) -> list["Variant"]:
+        """Checks every field, so that a bad value stops the comparison before any work, with a one-line error;
+        returns the variants, parsed. Numbers given as text (`1e-5` in YAML, grid values on the command line) are
+        read as numbers."""
+        hints = typing.get_type_hints(type(self))
         for field in dataclasses.fields(self):
-            value, kinds = getattr(self, field.name), _KINDS.get(field.name)
-            if field.name in _FLOAT_FIELDS:
-                value = _number(field.name, value)
-            elif field.name in _GRID_FIELDS and isinstance(value, list):
-                value = [_number(field.name, item) for item in value]
-                for item in value:
-                    if not _is_number(item):
-                        raise ValueError(f"{field.name}: {item!r} is not a number")
-            setattr(self, field.name, value)
-            if value is None or not kinds:
-                continue
-            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-                raise ValueError(
-                    f"{field.name}={value!r} is invalid: expected {' or '.join(k.__name__ for k in kinds)}"
-                )
-        for name, value in self._numbers():
-            if not _RULES[name][0](value):
-                raise ValueError(f"{name}={value!r} is invalid: {_RULES[name][1]}")
+            setattr(self, field.name, _read(field.name, getattr(self, field.name), hints[field.name]))
+        for field in dataclasses.fields(self):
+            for value in _numbers(getattr(self, field.name)) if field.metadata["rule"] else ():
+                _check(field.name, value)
         if not self.variants:
             raise ValueError("variants is empty: name at least one variant")
-        for name in ("variants", "learning_rates", "warmup_ratios", "report_to"):
-            values = getattr(self, name) or []
-            if not values and name != "variants" and getattr(self, name) is not None:
-                raise ValueError(f"{name} is empty: give at least one value, or leave it out")
+        variants = [Variant.parse(spec) for spec in self.variants]
+        for variant in variants:
+            for name in VARIANT_SETTINGS:
+                if getattr(variant, name) is not None:
+                    _check(name, getattr(variant, name))
+        self._check_lists()
+        self._check_variants(variants)
+        self._check_names()
+        return variants
+
+    def _check_lists(self) -> None:
+        """Lists that are given hold at least one value, and values that must differ do."""
+        for field in dataclasses.fields(self):
+            values = getattr(self, field.name)
+            if not field.metadata["distinct"] or values is None:
+                continue
+            if not values:
+                raise ValueError(f"{field.name} is empty: give at least one value, or leave it out")
             if len(set(values)) < len(values):
-                raise ValueError(f"{name}={values!r} is invalid: a value is repeated")
-        for variant in self.variants:
-            name = split_variant(variant)[0]
-            if name.endswith(HEAL_SUFFIX) and (name == "native" + HEAL_SUFFIX or (self.model or "").endswith(".json")):
-                raise ValueError(f"variant {variant!r}: healing needs a converted variant of a pretrained checkpoint")
+                raise ValueError(f"{field.name}={values!r} is invalid: a value is repeated")
+
+    def _check_variants(self, variants: list["Variant"]) -> None:
+        """What the variants need: a pretrained checkpoint to heal or to be native, known healing settings, and the
+        reference among them."""
+        from_config = (self.model or "").endswith(".json")
+        for variant in variants:
+            if variant.heal and (variant.native or from_config):
+                raise ValueError(
+                    f"variant {variant.spec!r}: healing needs a converted variant of a pretrained checkpoint"
+                )
         unknown = sorted(set(self.heal or {}) - set(HEAL_SETTINGS))
         if unknown:
             raise ValueError(f"heal: unknown settings {unknown}; allowed: {' '.join(HEAL_SETTINGS)}")
@@ -137,43 +208,146 @@ class Experiment:
             raise ValueError(
                 f"reference={self.reference!r} is invalid: it must be one of the variants {self.variants}"
             )
-        _choice("task_type", self.task_type, TASK_TYPES)
-        _choice("norm_mapping", self.norm_mapping, NORM_MAPPINGS)
-        for tracker in self.report_to:
-            _choice("report_to", tracker, ("none", *TRACKERS))
-            if tracker in TRACKERS and not TRACKERS[tracker]():
-                raise ValueError(
-                    f"report_to={tracker!r} is invalid: {tracker} is not installed (pip install {tracker})"
-                )
-        if self.model is not None and self.model.endswith(".json") and "native" in self.variants:
+        if from_config and any(variant.native for variant in variants):
             raise ValueError("variant 'native' needs a pretrained checkpoint, not a NormSwap configuration")
 
-    def _numbers(self):
-        """(field, value) for every number to check: scalar fields, grid values and the values variants pin."""
-        for name in _RULES:
-            if name in _GRID_FIELDS:
-                yield from ((name, value) for value in getattr(self, name) or [])
-            elif getattr(self, name) is not None:
-                yield name, getattr(self, name)
-        for variant in self.variants:
-            yield from split_variant(variant)[1].items()
+    def _check_names(self) -> None:
+        """Fields that take names take known ones, and the trackers named are installed."""
+        for field in dataclasses.fields(self):
+            allowed, value = field.metadata["allowed"], getattr(self, field.name)
+            for name in (value if isinstance(value, list) else [value]) if allowed else ():
+                if name not in allowed:
+                    raise ValueError(f"{field.name}={name!r} is invalid: allowed are {', '.join(allowed)}")
+                if name in TRACKERS and not TRACKERS[name]():
+                    raise ValueError(f"report_to={name!r} is invalid: {name} is not installed (pip install {name})")
 
     @property
     def reference_variant(self) -> str:
         return self.reference or self.variants[0]
 
-    def grid(self, variant: str) -> list[dict[str, float]]:
-        """The (learning rate, warm-up ratio) points a variant may train at; settings the variant pins stay fixed."""
-        pinned = split_variant(variant)[1]
-        learning_rates = (
-            [pinned["learning_rate"]] if "learning_rate" in pinned else self.learning_rates or [self.learning_rate]
-        )
-        warmup_ratios = (
-            [pinned["warmup_ratio"]] if "warmup_ratio" in pinned else self.warmup_ratios or [self.warmup_ratio]
-        )
+    def grid(self, variant: "Variant | str") -> list[dict[str, float]]:
+        """The (learning rate, warm-up ratio) points a variant (or its name as written) may train at; settings the
+        variant pins stay fixed."""
+        if isinstance(variant, str):
+            variant = Variant.parse(variant)
+        learning_rates = self.learning_rates or [self.learning_rate]
+        warmup_ratios = self.warmup_ratios or [self.warmup_ratio]
+        if variant.learning_rate is not None:
+            learning_rates = [variant.learning_rate]
+        if variant.warmup_ratio is not None:
+            warmup_ratios = [variant.warmup_ratio]
         return [
             {"learning_rate": lr, "warmup_ratio": wr} for lr, wr in itertools.product(learning_rates, warmup_ratios)
         ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One variant of a comparison, parsed once from its name as written (`pre:rope+heal@learning_rate=1e-4`)."""
+
+    spec: str  # as written: how results and the report name it
+    name: str  # without the pinned settings (`pre:rope+heal`): what it starts from
+    placement: str | None  # None: the source's own (native, or a position-only variant)
+    position: str | None  # None: the source's own
+    heal: bool  # healed before fine-tuning
+    learning_rate: float | None = None  # pinned by `@learning_rate=`; None: the experiment's
+    warmup_ratio: float | None = None  # pinned by `@warmup_ratio=`; None: the experiment's
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        """`NAME` or `NAME@field=value@...`, NAME being `native`, `PLACEMENT`, `PLACEMENT:POSITION` or `:POSITION`,
+        possibly followed by `+heal`; a field is one of `VARIANT_SETTINGS`."""
+        if not isinstance(spec, str):
+            raise ValueError(f"variants: {spec!r} is not a variant name")
+        name, *settings = spec.split("@")
+        placement, position = _placement_and_position(name.removesuffix(HEAL_SUFFIX))
+        pinned = {}
+        for setting in settings:
+            field, _, value = setting.partition("=")
+            if field not in VARIANT_SETTINGS or not value:
+                raise ValueError(
+                    f"variant {spec!r}: after '@' comes field=value, with field one of {', '.join(VARIANT_SETTINGS)}"
+                )
+            pinned[field] = _number(f"variant {spec!r}: {field}", value)
+        return cls(spec, name, placement, position, name.endswith(HEAL_SUFFIX), **pinned)
+
+    @property
+    def native(self) -> bool:
+        """The source itself, as its own class."""
+        return self.placement is None and self.position is None
+
+    @property
+    def converted(self) -> "Variant":
+        """What a healed variant is healed from: the same conversion, without healing or pinned settings."""
+        name = self.name.removesuffix(HEAL_SUFFIX)
+        return Variant(spec=name, name=name, placement=self.placement, position=self.position, heal=False)
+
+    @property
+    def folder(self) -> str:
+        """The variant in the names of its runs' folders (`:` is not portable)."""
+        return self.spec.replace(":", "-")
+
+    @property
+    def start_folder(self) -> str:
+        """The folder name of what it starts from, shared by the variants that differ in pinned settings only."""
+        return self.name.replace(":", "-")
+
+
+def _placement_and_position(name: str) -> tuple[str | None, str | None]:
+    """`native`, `PLACEMENT`, `PLACEMENT:POSITION` or `:POSITION` -> (placement, position); native is (None, None)."""
+    if name == "native":
+        return None, None
+    placement, _, position = name.partition(":")
+    if (
+        (placement and placement not in PLACEMENTS)
+        or (position and position not in POSITION_EMBEDDING_TYPES)
+        or not (placement or position)
+    ):
+        raise ValueError(
+            f"unknown variant {name!r}: use native, a placement ({', '.join(PLACEMENTS)}) and/or "
+            f":POSITION ({', '.join(POSITION_EMBEDDING_TYPES)})"
+        )
+    return placement or None, position or None
+
+
+def _unwrap(annotation):
+    """`X | None` -> X."""
+    if typing.get_origin(annotation) is types.UnionType:
+        (annotation,) = [kind for kind in typing.get_args(annotation) if kind is not type(None)]
+    return annotation
+
+
+def _kinds(annotation) -> tuple[type, ...]:
+    """The types a field's value may have, from its annotation: lists and mappings as such, a float also as an int."""
+    base = typing.get_origin(_unwrap(annotation)) or _unwrap(annotation)
+    return (int, float) if base is float else (base,)
+
+
+def _read(name: str, value, annotation):
+    """`value` checked against the field's annotation, with text read as a number for a float or a list of them."""
+    kinds = _kinds(annotation)
+    if kinds == (int, float):
+        value = _number(name, value)
+    elif typing.get_args(_unwrap(annotation)) == (float,) and isinstance(value, list):
+        value = [_number(name, item) for item in value]
+        for item in value:
+            if not _is_number(item):
+                raise ValueError(f"{name}: {item!r} is not a number")
+    if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+        raise ValueError(f"{name}={value!r} is invalid: expected {' or '.join(k.__name__ for k in kinds)}")
+    return value
+
+
+def _numbers(value) -> list:
+    """The numbers a field holds: its value, or a grid's values (none for None)."""
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def _check(name: str, value) -> None:
+    """Checks a number of field `name` (or pinned by a variant) against the field's rule."""
+    rule = _FIELDS[name].metadata["rule"]
+    if not rule.test(value):
+        raise ValueError(f"{name}={value!r} is invalid: {rule.allowed}")
 
 
 def _number(name: str, value):
@@ -190,83 +364,4 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is invalid: allowed are {', '.join(allowed)}")
-
-
-_KINDS = {
-    field: (int,)
-    for field in (
-        "seeds",
-        "search_seeds",
-        "batch_size",
-        "max_length",
-        "max_steps",
-        "max_train_samples",
-        "logging_steps",
-    )
-}
-_KINDS.update(
-    {field: (int, float) for field in ("learning_rate", "epochs", "warmup_ratio", "weight_decay", "dev_fraction")}
-)
-_KINDS.update(
-    {field: (list,) for field in ("variants", "text_columns", "learning_rates", "warmup_ratios", "report_to")}
-)
-_KINDS.update({field: (str,) for field in ("task", "task_type", "label_column", "output", "norm_mapping")})
-_KINDS.update({field: (str,) for field in ("model", "reference", "data_dir", "tokenizer")})
-_KINDS["allow_pickle"] = _KINDS["packing"] = _KINDS["calibrate"] = (bool,)
-_KINDS["heal"] = (dict,)
-_FLOAT_FIELDS = ("learning_rate", "epochs", "warmup_ratio", "weight_decay", "dev_fraction")
-_GRID_FIELDS = ("learning_rates", "warmup_ratios")
-_RULES = {  # field: (test, what is allowed)
-    "seeds": (lambda v: v >= 1, "at least 1"),
-    "search_seeds": (lambda v: v >= 1, "at least 1"),
-    "batch_size": (lambda v: v >= 1, "at least 1"),
-    "max_length": (lambda v: v >= 1, "at least 1 token"),
-    "logging_steps": (lambda v: v >= 1, "at least 1"),
-    "max_steps": (lambda v: v == -1 or v >= 1, "-1 (train for epochs) or at least 1"),
-    "max_train_samples": (lambda v: v >= 1, "at least 1"),
-    "epochs": (lambda v: math.isfinite(v) and v > 0, "must be positive"),
-    "learning_rate": (lambda v: math.isfinite(v) and v > 0, "must be positive"),
-    "learning_rates": (lambda v: math.isfinite(v) and v > 0, "every learning rate must be positive"),
-    "warmup_ratio": (lambda v: 0 <= v < 1, "a fraction of the steps, in [0, 1)"),
-    "warmup_ratios": (lambda v: 0 <= v < 1, "every warm-up ratio is a fraction of the steps, in [0, 1)"),
-    "weight_decay": (lambda v: math.isfinite(v) and v >= 0, "must be 0 or more"),
-    "dev_fraction": (lambda v: 0 < v < 1, "a fraction of the training data, in (0, 1)"),
-}
-
-
-def split_variant(variant: str) -> tuple[str, dict[str, float]]:
-    """`NAME` or `NAME@field=value@...` -> (NAME, the training settings it pins: learning_rate, warmup_ratio);
-    NAME may end in `+heal`."""
-    if not isinstance(variant, str):
-        raise ValueError(f"variants: {variant!r} is not a variant name")
-    name, *settings = variant.split("@")
-    parse_variant(name.removesuffix(HEAL_SUFFIX))
-    pinned = {}
-    for setting in settings:
-        field, _, value = setting.partition("=")
-        if field not in VARIANT_SETTINGS or not value:
-            raise ValueError(
-                f"variant {variant!r}: after '@' comes field=value, with field one of {', '.join(VARIANT_SETTINGS)}"
-            )
-        pinned[field] = _number(f"variant {variant!r}: {field}", value)
-    return name, pinned
-
-
-def parse_variant(variant: str) -> tuple[str | None, str | None]:
-    """`native`, `PLACEMENT`, `PLACEMENT:POSITION` or `:POSITION` -> (placement, position); native is (None, None)."""
-    if variant == "native":
-        return None, None
-    placement, _, position = variant.partition(":")
-    if (
-        (placement and placement not in PLACEMENTS)
-        or (position and position not in POSITION_EMBEDDING_TYPES)
-        or not (placement or position)
-    ):
-        raise ValueError(
-            f"unknown variant {variant!r}: use native, a placement ({', '.join(PLACEMENTS)}) and/or "
-            f":POSITION ({', '.join(POSITION_EMBEDDING_TYPES)})"
-        )
-    return placement or None, position or None
+_FIELDS = {field.name: field for field in dataclasses.fields(Experiment)}

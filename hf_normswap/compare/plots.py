@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from .statistics import task_metrics  # noqa: E402
+
 
 def _by_variant(results: list[dict]) -> dict[str, list[dict]]:
     grouped = {}
@@ -35,72 +37,29 @@ def _plot_band(axis, runs: list[dict], key: str, label: str, color: str, **style
         axis.fill_between(steps, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
 
 
-def _main_metric(results: list[dict]) -> str:
-    return next(
-        name
-        for name in results[0]["metrics"]
-        if name not in ("loss", "runtime", "samples_per_second", "steps_per_second")
-    )
-
-
 def write_plots(
     output: Path, results: list[dict], reference: str | None = None, search: dict | None = None
 ) -> list[str]:
     """Writes the PNG figures into `output`; returns their file names."""
     grouped = _by_variant(results)
-    metric = _main_metric(results)
-    seeds = len({r["seed"] for r in results})
-    spread = " (mean ± 1 std over seeds)" if seeds > 1 else ""
-    figures = {}
-
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for index, (variant, runs) in enumerate(grouped.items()):
-        _plot_band(axis, runs, "loss", variant, f"C{index}")
-    axis.set(xlabel="step", ylabel="training loss", title="Training loss" + spread)
-    figures["loss.png"] = figure
-
+    metric = task_metrics(results[0]["metrics"])[0]
+    spread = " (mean ± 1 std over seeds)" if len({r["seed"] for r in results}) > 1 else ""
     eval_key = "eval_loss" if metric == "perplexity" else f"eval_{metric}"
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for index, (variant, runs) in enumerate(grouped.items()):
-        _plot_band(axis, runs, eval_key, variant, f"C{index}", marker="o")
-    axis.set(
-        xlabel="step",
-        ylabel=f"validation {eval_key.removeprefix('eval_')}",
-        title=f"Validation {eval_key.removeprefix('eval_')}" + spread,
-    )
-    figures["eval_metric.png"] = figure
-
+    evaluated = eval_key.removeprefix("eval_")
+    figures = {
+        "loss.png": _band_figure(grouped, "loss", ylabel="training loss", title="Training loss" + spread),
+        "eval_metric.png": _band_figure(
+            grouped, eval_key, ylabel=f"validation {evaluated}", title=f"Validation {evaluated}" + spread, marker="o"
+        ),
+    }
     if reference is not None and len(grouped) > 1:
         figures["paired_differences.png"] = _paired_figure(grouped, reference, metric)
     if search:
         figures["grid_search.png"] = _search_figure(search)
-
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for index, (variant, runs) in enumerate(grouped.items()):
-        color = f"C{index}"
-        for part, style in (("attention", "-"), ("ffn", "--")):
-            norms = np.array([run["diagnostics"][0][part] for run in runs]).mean(axis=0)
-            axis.plot(range(len(norms)), norms, style, color=color, marker=".", label=f"{variant} {part}")
-    axis.set(
-        xlabel="layer",
-        ylabel="gradient norm at initialisation",
-        yscale="log",
-        title="Per-layer gradient norm at initialisation (Xiong et al. 2020)",
-    )
-    figures["grad_norm_init.png"] = figure
-
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for index, (variant, runs) in enumerate(grouped.items()):
-        start = np.array([run["diagnostics"][0]["residual_rms"] for run in runs]).mean(axis=0)
-        axis.plot(range(len(start)), start, "--", color=f"C{index}", label=f"{variant}, initialisation")
-        ends = [next(r["residual_rms"] for r in reversed(run["diagnostics"]) if "residual_rms" in r) for run in runs]
-        axis.plot(range(len(start)), np.array(ends).mean(axis=0), "-", color=f"C{index}", label=f"{variant}, end")
-    axis.set(xlabel="depth (0: embeddings)", ylabel="residual-stream RMS", yscale="log", title="Residual stream RMS")
-    figures["residual_rms.png"] = figure
-
+    figures["grad_norm_init.png"] = _gradient_figure(grouped)
+    figures["residual_rms.png"] = _residual_figure(grouped)
     if any(run.get("source_collapse") and "collapse" in run["diagnostics"][0] for run in results):
         figures["collapse.png"] = _collapse_figure(grouped)
-
     for name, figure in figures.items():
         if figure.axes[0].get_legend_handles_labels()[0]:
             figure.axes[0].legend(fontsize=7)
@@ -108,6 +67,43 @@ def write_plots(
         figure.savefig(output / name, dpi=120)
         plt.close(figure)
     return list(figures)
+
+
+def _band_figure(grouped: dict[str, list[dict]], key: str, ylabel: str, title: str, **style):
+    """A logged value against step, one band per variant."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for index, (variant, runs) in enumerate(grouped.items()):
+        _plot_band(axis, runs, key, variant, f"C{index}", **style)
+    axis.set(xlabel="step", ylabel=ylabel, title=title)
+    return figure
+
+
+def _gradient_figure(grouped: dict[str, list[dict]]):
+    """Each layer's attention and feed-forward gradient norms at initialisation (mean over seeds)."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for index, (variant, runs) in enumerate(grouped.items()):
+        for part, style in (("attention", "-"), ("ffn", "--")):
+            norms = np.array([run["diagnostics"][0][part] for run in runs]).mean(axis=0)
+            axis.plot(range(len(norms)), norms, style, color=f"C{index}", marker=".", label=f"{variant} {part}")
+    axis.set(
+        xlabel="layer",
+        ylabel="gradient norm at initialisation",
+        yscale="log",
+        title="Per-layer gradient norm at initialisation (Xiong et al. 2020)",
+    )
+    return figure
+
+
+def _residual_figure(grouped: dict[str, list[dict]]):
+    """The residual stream's RMS at every depth, at initialisation and at the end (mean over seeds)."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for index, (variant, runs) in enumerate(grouped.items()):
+        start = np.array([run["diagnostics"][0]["residual_rms"] for run in runs]).mean(axis=0)
+        axis.plot(range(len(start)), start, "--", color=f"C{index}", label=f"{variant}, initialisation")
+        ends = [next(r["residual_rms"] for r in reversed(run["diagnostics"]) if "residual_rms" in r) for run in runs]
+        axis.plot(range(len(start)), np.array(ends).mean(axis=0), "-", color=f"C{index}", label=f"{variant}, end")
+    axis.set(xlabel="depth (0: embeddings)", ylabel="residual-stream RMS", yscale="log", title="Residual stream RMS")
+    return figure
 
 
 def _paired_figure(grouped: dict[str, list[dict]], reference: str, metric: str):

@@ -1,36 +1,90 @@
-"""The comparison report: statistics over seeds, paired differences, the settings search, failed runs, per-run
-configurations; markdown and JSON."""
+"""The comparison report: statistics over seeds, paired differences, the settings search, collapse, healing, failed
+runs, per-run configurations; markdown and JSON."""
 
 import dataclasses
 import json
 from pathlib import Path
 
 from ..probes.collapse import COLLAPSE_MARGIN, POOLINGS
+from ..tasks import Task
+from .experiment import Experiment
 from .plots import write_plots
-from .statistics import describe, paired_difference, summarize
+from .statistics import describe, paired_difference, summarize, task_metrics
 
 
-_TIMINGS = ("loss", "runtime", "samples_per_second", "steps_per_second")
+_MODEL_KEYS = (  # of each run's model configuration, in the report
+    "model_type",
+    "norm_placement",
+    "position_embedding_type",
+    "norm_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "is_causal",
+)
+_TRAINING_KEYS = (  # of each run's training arguments, in the report
+    "learning_rate",
+    "per_device_train_batch_size",
+    "num_train_epochs",
+    "max_steps",
+    "warmup_steps",
+    "weight_decay",
+    "max_grad_norm",
+    "seed",
+    "data_seed",
+    "lr_scheduler_type",
+    "optim",
+)
 
 
-def write_report(output: Path, experiment, task, results: list[dict], search: dict | None = None) -> dict:
+def write_report(
+    output: Path, experiment: Experiment, task: Task, results: list[dict], search: dict | None = None
+) -> dict:
     """Writes report.md, results.json and the plots into `output`; returns what results.json holds."""
     variants = list(dict.fromkeys(result["variant"] for result in results))
-    metric_names = [name for name in results[0]["metrics"] if name not in _TIMINGS]
-    summary = {}
-    for variant in variants:
-        runs = [r for r in results if r["variant"] == variant]
-        summary[variant] = {
-            "metrics": {name: summarize([r["metrics"][name] for r in runs]) for name in ["loss", *metric_names]},
-            "failed_runs": sum(r["failed"] for r in runs),
-            "runs": len(runs),
-            "settings": runs[0]["point"],
-            "collapse": summarize_collapse(runs),
-            "heal": runs[0].get("heal"),
-        }
+    metric_names = task_metrics(results[0]["metrics"])
     reference = experiment.reference_variant
+    document = {
+        "experiment": dataclasses.asdict(experiment),
+        "task": _task_record(experiment, task),
+        "search": search,
+        "summary": {
+            variant: _variant_summary([r for r in results if r["variant"] == variant], metric_names)
+            for variant in variants
+        },
+        "paired": {"reference": reference, "variants": _paired(results, reference, metric_names)},
+        "runs": results,
+    }
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "results.json").write_text(json.dumps(document, indent=1) + "\n")
+    plots = write_plots(output=output, results=results, reference=reference, search=search)
+    (output / "report.md").write_text(_markdown(document, metric_names, plots))
+    return document
+
+
+def _task_record(experiment: Experiment, task: Task) -> dict:
+    if experiment.task_type == "causal-lm":
+        record = {"name": task.name, "type": "causal-lm", "metric": "perplexity", "unigram_loss": task.unigram_loss}
+    else:
+        record = {"name": task.name, "metric": task.metric, "majority_baseline": task.majority_baseline}
+    return {**record, "train_size": len(task.data["train"]), "validation_size": len(task.data["validation"])}
+
+
+def _variant_summary(runs: list[dict], metric_names: list[str]) -> dict:
+    """A variant's statistics over its seeds, failed runs, settings, collapse and healing."""
+    return {
+        "metrics": {name: summarize([r["metrics"][name] for r in runs]) for name in ["loss", *metric_names]},
+        "failed_runs": sum(r["failed"] for r in runs),
+        "runs": len(runs),
+        "settings": runs[0]["point"],
+        "collapse": summarize_collapse(runs),
+        "heal": runs[0].get("heal"),
+    }
+
+
+def _paired(results: list[dict], reference: str, metric_names: list[str]) -> dict:
+    """Every other variant's paired differences from the reference, seed by seed, with a sentence for each metric."""
     paired = {}
-    for variant in variants:
+    for variant in dict.fromkeys(result["variant"] for result in results):
         if variant == reference:
             continue
         paired[variant] = {}
@@ -38,26 +92,76 @@ def write_report(output: Path, experiment, task, results: list[dict], search: di
             by_seed = {
                 v: {r["seed"]: r["metrics"][name] for r in results if r["variant"] == v} for v in (reference, variant)
             }
-            difference = paired_difference(by_seed[reference], by_seed[variant])
-            paired[variant][name] = {**difference, "sentence": describe(variant, reference, name, difference)}
-    if experiment.task_type == "causal-lm":
-        task_info = {"name": task.name, "type": "causal-lm", "metric": "perplexity", "unigram_loss": task.unigram_loss}
+            difference = paired_difference(reference=by_seed[reference], other=by_seed[variant])
+            sentence = describe(variant=variant, reference=reference, metric=name, difference=difference)
+            paired[variant][name] = {**difference, "sentence": sentence}
+    return paired
+
+
+def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
+    lines = _introduction(document)
+    lines += _summary_table(document["summary"], metric_names)
+    lines += _paired_markdown(document["paired"], metric_names)
+    if document["search"]:
+        lines += _search_markdown(document["search"])
+    lines += [""]
+    lines += collapse_report_lines(document["summary"])
+    lines += _healing_lines(document["summary"])
+    lines += ["## Plots", ""]
+    lines += [f"![{name}]({name})" for name in plots]
+    lines += _runs_lines(document["runs"], metric_names)
+    lines.append("Full model configurations, training arguments and every logged step are in `results.json`.")
+    return "\n".join(lines) + "\n"
+
+
+def _introduction(document: dict) -> list[str]:
+    """The title, what was compared and how, and when a run counts as failed."""
+    experiment, task = document["experiment"], document["task"]
+    length = f"{experiment['max_steps']} steps" if experiment["max_steps"] > 0 else f"{experiment['epochs']} epochs"
+    if document["search"]:
+        settings = "settings chosen per variant on a development split (below)"
     else:
-        task_info = {"name": task.name, "metric": task.metric, "majority_baseline": task.majority_baseline}
-    task_info.update(train_size=len(task.data["train"]), validation_size=len(task.data["validation"]))
-    document = {
-        "experiment": dataclasses.asdict(experiment),
-        "task": task_info,
-        "search": search,
-        "summary": summary,
-        "paired": {"reference": reference, "variants": paired},
-        "runs": results,
-    }
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "results.json").write_text(json.dumps(document, indent=1) + "\n")
-    plots = write_plots(output, results, reference, search)
-    (output / "report.md").write_text(_markdown(document, metric_names, plots))
-    return document
+        settings = f"learning rate {experiment['learning_rate']}, warm-up ratio {experiment['warmup_ratio']}"
+    causal = task.get("type") == "causal-lm"
+    if causal:
+        failure = (
+            f"A run has failed when its final validation loss is no better than that of the training tokens' "
+            f"frequencies (unigram loss {task['unigram_loss']:.4f}) or is not finite."
+        )
+    else:
+        failure = (
+            f"A run has failed when its final {task['metric']} metric is no better than the majority-class "
+            f"baseline ({task['majority_baseline']:.4f}; Mosbach et al. 2021)."
+        )
+    return [
+        "# NormSwap comparison",
+        "",
+        f"Model `{experiment['model'] or 'all-MiniLM-L6-v2 (demo)'}`, task `{task['name']}`"
+        + (" (causal language modelling)" if causal else "")
+        + f" ({task['train_size']} training / {task['validation_size']} validation examples), "
+        f"{experiment['seeds']} seed(s), {settings}, batch {experiment['batch_size']}, "
+        f"max length {experiment['max_length']}, {length}"
+        + (", padding-free batches (native variants padded)." if experiment.get("packing") else "."),
+        "",
+        "Every variant of a seed sees the same data in the same order and starts from the same head. "
+        f"Cells: mean ± standard deviation over seeds [95% confidence interval, Student t]. {failure}",
+        "",
+    ]
+
+
+def _summary_table(summary: dict, metric_names: list[str]) -> list[str]:
+    lines = [
+        "| variant | settings | " + " | ".join(["eval loss", *metric_names]) + " | failed runs |",
+        "|---|---|" + "---|" * (len(metric_names) + 2),
+    ]
+    for variant, figures in summary.items():
+        cells = [_cell(figures["metrics"][name]) for name in ["loss", *metric_names]]
+        lines.append(
+            f"| {variant} | {_settings(figures['settings'])} | "
+            + " | ".join(cells)
+            + f" | {figures['failed_runs']} / {figures['runs']} |"
+        )
+    return lines
 
 
 def _cell(summary: dict) -> str:
@@ -69,108 +173,6 @@ def _cell(summary: dict) -> str:
 
 def _settings(point: dict) -> str:
     return f"lr {point['learning_rate']:g}, warm-up {point['warmup_ratio']:g}"
-
-
-def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
-    experiment, task, search = document["experiment"], document["task"], document["search"]
-    length = f"{experiment['max_steps']} steps" if experiment["max_steps"] > 0 else f"{experiment['epochs']} epochs"
-    if search:
-        settings = "settings chosen per variant on a development split (below)"
-    else:
-        settings = f"learning rate {experiment['learning_rate']}, warm-up ratio {experiment['warmup_ratio']}"
-    if task.get("type") == "causal-lm":
-        failure = (
-            f"A run has failed when its final validation loss is no better than that of the training tokens' "
-            f"frequencies (unigram loss {task['unigram_loss']:.4f}) or is not finite."
-        )
-    else:
-        failure = (
-            f"A run has failed when its final {task['metric']} metric is no better than the majority-class "
-            f"baseline ({task['majority_baseline']:.4f}; Mosbach et al. 2021)."
-        )
-    lines = [
-        "# NormSwap comparison",
-        "",
-        f"Model `{experiment['model'] or 'all-MiniLM-L6-v2 (demo)'}`, task `{task['name']}`"
-        + (" (causal language modelling)" if task.get("type") == "causal-lm" else "")
-        + f" ({task['train_size']} training / {task['validation_size']} validation examples), "
-        f"{experiment['seeds']} seed(s), {settings}, batch {experiment['batch_size']}, "
-        f"max length {experiment['max_length']}, {length}"
-        + (", padding-free batches (native variants padded)." if experiment.get("packing") else "."),
-        "",
-        "Every variant of a seed sees the same data in the same order and starts from the same head. "
-        f"Cells: mean ± standard deviation over seeds [95% confidence interval, Student t]. {failure}",
-        "",
-        "| variant | settings | " + " | ".join(["eval loss", *metric_names]) + " | failed runs |",
-        "|---|---|" + "---|" * (len(metric_names) + 2),
-    ]
-    for variant, summary in document["summary"].items():
-        cells = [_cell(summary["metrics"][name]) for name in ["loss", *metric_names]]
-        lines.append(
-            f"| {variant} | {_settings(summary['settings'])} | "
-            + " | ".join(cells)
-            + f" | {summary['failed_runs']} / {summary['runs']} |"
-        )
-    lines += _paired_markdown(document["paired"], metric_names)
-    if search:
-        lines += _search_markdown(search)
-    lines += [""]
-    lines += collapse_report_lines(document["summary"])
-    lines += _healing_lines(document["summary"])
-    lines += ["## Plots", ""]
-    lines += [f"![{name}]({name})" for name in plots]
-    lines += [
-        "",
-        "## Runs",
-        "",
-        "| variant | seed | " + " | ".join(metric_names) + " | resumed |",
-        "|---|---|" + "---|" * (len(metric_names) + 1),
-    ]
-    for run in document["runs"]:
-        values = " | ".join(f"{run['metrics'][name]:.4f}" for name in metric_names)
-        lines.append(f"| {run['variant']} | {run['seed']} | {values} | {run['resumed']} |")
-    lines += ["", "## Configuration of each run", ""]
-    for run in document["runs"]:
-        model = {
-            k: run["model_config"].get(k)
-            for k in (
-                "model_type",
-                "norm_placement",
-                "position_embedding_type",
-                "norm_type",
-                "num_hidden_layers",
-                "hidden_size",
-                "is_causal",
-            )
-        }
-        training = {
-            k: run["training_arguments"][k]
-            for k in (
-                "learning_rate",
-                "per_device_train_batch_size",
-                "num_train_epochs",
-                "max_steps",
-                "warmup_steps",
-                "weight_decay",
-                "max_grad_norm",
-                "seed",
-                "data_seed",
-                "lr_scheduler_type",
-                "optim",
-            )
-        }
-        lines += [
-            f"<details><summary>{run['variant']}, seed {run['seed']}</summary>",
-            "",
-            "```json",
-            json.dumps({"model": model, "training": training}, indent=1),
-            "```",
-            "",
-            "</details>",
-            "",
-        ]
-    lines.append("Full model configurations, training arguments and every logged step are in `results.json`.")
-    return "\n".join(lines) + "\n"
 
 
 def _paired_markdown(paired: dict, metric_names: list[str]) -> list[str]:
@@ -222,7 +224,7 @@ def _search_markdown(search: dict) -> list[str]:
 
 
 def _healing_lines(summary: dict) -> list[str]:
-    healed = {variant: s["heal"] for variant, s in summary.items() if s.get("heal")}
+    healed = {variant: figures["heal"] for variant, figures in summary.items() if figures.get("heal")}
     if not healed:
         return []
     lines = [
@@ -231,7 +233,8 @@ def _healing_lines(summary: dict) -> list[str]:
         "`+heal` variants were trained to compute what the source computes (`hf-normswap heal`) once, before the "
         "seeds' fine-tuning; figures on held-out text, final output (see each variant's `heal.json`).",
         "",
-        "| variant | objective, steps, learning rate | seconds | token cosine to the source | first-token collapse (source) |",
+        "| variant | objective, steps, learning rate | seconds | token cosine to the source "
+        "| first-token collapse (source) |",
         "|---|---|---|---|---|",
     ]
     for variant, heal in healed.items():
@@ -239,10 +242,40 @@ def _healing_lines(summary: dict) -> list[str]:
         lines.append(
             f"| {variant} | {heal['objective']}, {heal['steps']}, {heal['learning_rate']} | {heal['seconds']:.0f}"
             + (" (resumed)" if heal["resumed"] else "")
-            + f" | {before['token_cosine']:.4f} → {after['token_cosine']:.4f} | {before['collapse_first_token']:.4f} → "
-            f"{after['collapse_first_token']:.4f} ({heal['teacher_collapse']['first_token'][-1]:.4f}) |"
+            + f" | {before['token_cosine']:.4f} → {after['token_cosine']:.4f} "
+            f"| {before['collapse_first_token']:.4f} → {after['collapse_first_token']:.4f} "
+            f"({heal['teacher_collapse']['first_token'][-1]:.4f}) |"
         )
     return lines + [""]
+
+
+def _runs_lines(runs: list[dict], metric_names: list[str]) -> list[str]:
+    """Each run's final metrics, and the main parts of its model configuration and training arguments."""
+    lines = [
+        "",
+        "## Runs",
+        "",
+        "| variant | seed | " + " | ".join(metric_names) + " | resumed |",
+        "|---|---|" + "---|" * (len(metric_names) + 1),
+    ]
+    for run in runs:
+        values = " | ".join(f"{run['metrics'][name]:.4f}" for name in metric_names)
+        lines.append(f"| {run['variant']} | {run['seed']} | {values} | {run['resumed']} |")
+    lines += ["", "## Configuration of each run", ""]
+    for run in runs:
+        model = {k: run["model_config"].get(k) for k in _MODEL_KEYS}
+        training = {k: run["training_arguments"][k] for k in _TRAINING_KEYS}
+        lines += [
+            f"<details><summary>{run['variant']}, seed {run['seed']}</summary>",
+            "",
+            "```json",
+            json.dumps({"model": model, "training": training}, indent=1),
+            "```",
+            "",
+            "</details>",
+            "",
+        ]
+    return lines
 
 
 def summarize_collapse(runs: list[dict]) -> dict | None:
@@ -267,7 +300,7 @@ def summarize_collapse(runs: list[dict]) -> dict | None:
 
 def collapse_report_lines(summary: dict) -> list[str]:
     """The comparison report's collapse section."""
-    rows = {variant: s["collapse"] for variant, s in summary.items() if s.get("collapse")}
+    rows = {variant: figures["collapse"] for variant, figures in summary.items() if figures.get("collapse")}
     if not rows:
         return []
     lines = [

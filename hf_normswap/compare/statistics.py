@@ -1,4 +1,5 @@
-"""Statistics over seeds: a variant's mean with its confidence interval, and paired differences between variants."""
+"""Statistics over seeds: a variant's mean with its confidence interval, and paired differences between variants;
+which figures are the task's metrics, and which way they improve."""
 
 import math
 
@@ -7,6 +8,12 @@ from scipy import stats
 
 
 LOWER_IS_BETTER = ("loss", "perplexity")
+_LOSS_AND_TIMINGS = ("loss", "runtime", "samples_per_second", "steps_per_second")  # an evaluation's other figures
+
+
+def task_metrics(metrics: dict) -> list[str]:
+    """The names of the task's metrics (accuracy, perplexity, ...) among a run's final evaluation figures."""
+    return [name for name in metrics if name not in _LOSS_AND_TIMINGS]
 
 
 def summarize(values: list[float]) -> dict:

@@ -5,7 +5,7 @@ from pathlib import Path
 import evaluate
 
 
-_LOCAL = Path(__file__).parent / "glue_local.py"
+_OFFLINE = Path(__file__).parent / "glue_local.py"
 
 
 def load_metric(config_name: str) -> evaluate.EvaluationModule:
@@ -14,5 +14,5 @@ def load_metric(config_name: str) -> evaluate.EvaluationModule:
         if config_name == "accuracy":
             return evaluate.load("accuracy")
         return evaluate.load("glue", config_name)
-    except Exception:  # the Hub is out of reach: the same metric from the module shipped with the package
-        return evaluate.load(str(_LOCAL), config_name)
+    except FileNotFoundError:  # what evaluate raises when the Hub is out of reach and the module is not cached
+        return evaluate.load(str(_OFFLINE), config_name)

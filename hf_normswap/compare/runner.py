@@ -1,0 +1,194 @@
+"""One fine-tuning run of a comparison: a variant at one seed and one point of settings, trained through the Trainer
+(resumed from its last checkpoint when interrupted), or read back when it has finished."""
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import PartialState
+from datasets import Dataset
+from transformers import (
+    AutoModel,
+    DataCollatorForLanguageModeling,
+    DataCollatorWithPadding,
+    Trainer,
+    TrainingArguments,
+)
+
+from ..model.packing import DataCollatorWithPacking
+from ..probes.collapse import collapse_profile
+from ..probes.diagnostics import DiagnosticsCallback
+from ..tasks import Task, unigram_loss
+from .experiment import Experiment, Variant
+from .metrics import load_metric
+from .variants import Start, build_model
+
+
+PROBE_SIZE = 16  # validation examples the diagnostics probe holds
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one run records in its result.json (and results.json)."""
+
+    variant: str
+    seed: int
+    point: dict  # the settings it trained at: learning_rate, warmup_ratio
+    metrics: dict  # the final evaluation, without the `eval_` prefix
+    failed: bool  # no better than the majority class (classification) or the unigram loss (causal LM)
+    log_history: list[dict]
+    diagnostics: list[dict]  # per-layer gradient norms, residual RMS and collapse, at initialisation and later
+    model_config: dict
+    training_arguments: dict
+    resumed: bool
+    source_collapse: dict | None  # the pretrained source's collapse on the probe (None for a configuration)
+    heal: dict | None  # what the variant's healing did, for a healed variant
+
+
+class Runner:
+    """Trains one (variant, seed, settings) run through the Trainer, or reads it back when it has finished."""
+
+    def __init__(self, experiment: Experiment, model: str, task: Task, tokenizer, state: PartialState):
+        self.experiment, self.model, self.task, self.tokenizer, self.state = experiment, model, task, tokenizer, state
+        self.causal = experiment.task_type == "causal-lm"
+        self.source_collapses = {}  # the pretrained source's collapse figures, by probe
+        columns = task.data["train"].column_names
+        self.encoded = task.data.map(
+            lambda batch: tokenizer(
+                *(batch[c] for c in task.text_columns), truncation=True, max_length=experiment.max_length
+            ),
+            batched=True,
+            remove_columns=[c for c in columns if self.causal or c != "label"],
+        )
+        if self.causal:
+            self.collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+            task.metric = "perplexity"
+            task.unigram_loss = unigram_loss(
+                train_ids=self.encoded["train"]["input_ids"],
+                validation_ids=self.encoded["validation"]["input_ids"],
+                vocab_size=len(tokenizer),
+            )
+            self.selection_metric = "loss"
+        else:
+            self.collator = DataCollatorWithPadding(tokenizer)
+            self.metric = load_metric(task.metric)
+            self.selection_metric = "accuracy"  # what every supported task's metric reports
+        self.packing = DataCollatorWithPacking(tokenizer.pad_token_id)
+
+    def run(
+        self,
+        start: Start,
+        variant: Variant,
+        seed: int,
+        point: dict,
+        train: Dataset,
+        evaluation: Dataset,
+        run_dir: Path,
+    ) -> dict:
+        """The run's result: trained now (the main process writes result.json), or read back from result.json."""
+        result_file = run_dir / "result.json"
+        if not result_file.exists():
+            result = self._train(start, variant, seed, point, train, evaluation, run_dir)
+            if self.state.is_main_process:
+                result_file.write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
+                for checkpoint in run_dir.glob("checkpoint-*"):
+                    shutil.rmtree(checkpoint)
+            self.state.wait_for_everyone()
+        return json.loads(result_file.read_text())
+
+    def _train(self, start, variant, seed, point, train, evaluation, run_dir: Path) -> RunResult:
+        model = build_model(start=start, seed=seed, num_labels=self.task.num_labels, causal=self.causal)
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        args = self._arguments(point, seed, run_dir)
+        probe = self.collator([evaluation[i] for i in range(min(PROBE_SIZE, len(evaluation)))])
+        probe = {name: values.tolist() for name, values in probe.items()}
+        source_collapse = self._source_collapse(start, probe)
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=train,
+            eval_dataset=evaluation,
+            data_collator=self._packed if self.experiment.packing and start.kind != "native" else self.collator,
+            compute_metrics=None if self.causal else self._compute_metrics,
+            callbacks=[DiagnosticsCallback(probe=probe, num_layers=model.config.num_hidden_layers)],
+        )
+        resume = any(run_dir.glob("checkpoint-*"))
+        trainer.train(resume_from_checkpoint=True if resume else None)
+        metrics, failed = self._final_metrics(trainer.state.log_history)
+        diagnostics = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DiagnosticsCallback))
+        return RunResult(
+            variant=variant.spec,
+            seed=seed,
+            point=point,
+            metrics=metrics,
+            failed=failed,
+            log_history=trainer.state.log_history,
+            diagnostics=diagnostics.records,
+            model_config=model.config.to_dict(),
+            training_arguments=json.loads(args.to_json_string()),
+            resumed=resume,
+            source_collapse=source_collapse,
+            heal=start.heal,
+        )
+
+    def _arguments(self, point: dict, seed: int, run_dir: Path) -> TrainingArguments:
+        experiment = self.experiment
+        return TrainingArguments(
+            output_dir=str(run_dir),
+            run_name=run_dir.name if run_dir.parent.name == "runs" else f"search-{run_dir.name}",
+            learning_rate=point["learning_rate"],
+            per_device_train_batch_size=experiment.batch_size,
+            per_device_eval_batch_size=experiment.batch_size,
+            num_train_epochs=experiment.epochs,
+            max_steps=experiment.max_steps,
+            warmup_steps=point["warmup_ratio"],
+            weight_decay=experiment.weight_decay,
+            eval_strategy="epoch",
+            save_strategy="epoch",
+            logging_steps=experiment.logging_steps,
+            seed=seed,
+            data_seed=seed,
+            report_to=experiment.report_to,
+            restore_callback_states_from_checkpoint=True,
+            use_cpu=not torch.accelerator.is_available(),
+        )
+
+    def _final_metrics(self, history: list[dict]) -> tuple[dict, bool]:
+        """The last evaluation's figures, and whether the run failed."""
+        evaluations = [entry for entry in history if "eval_loss" in entry]
+        metrics = {
+            key.removeprefix("eval_"): value for key, value in evaluations[-1].items() if key.startswith("eval_")
+        }
+        if self.causal:
+            metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))  # nan stays nan
+            return metrics, not metrics["loss"] < self.task.unigram_loss
+        return metrics, metrics["accuracy"] <= self.task.majority_baseline
+
+    def _source_collapse(self, start: Start, probe: dict) -> dict | None:
+        """The collapse figures of the pretrained source on the diagnostics probe (None for a configuration), measured
+        once per probe."""
+        key = (start.kind == "config", json.dumps(probe))
+        if key not in self.source_collapses:
+            self.source_collapses[key] = None
+            if start.kind != "config":
+                pretrained = AutoModel.from_pretrained(self.model, dtype=torch.float32)
+                batch = {name: torch.tensor(values) for name, values in probe.items()}
+                self.source_collapses[key] = collapse_profile(model=pretrained, batches=[batch])
+        return self.source_collapses[key]
+
+    def _packed(self, features: list[dict]) -> dict:
+        """The padding-free batch of `features`; for causal LM with the labels the padding collator gives them."""
+        if self.causal:
+            pad = self.tokenizer.pad_token_id
+            features = [{**f, "labels": [-100 if t == pad else t for t in f["input_ids"]]} for f in features]
+        return self.packing(features)
+
+    def _compute_metrics(self, prediction) -> dict:
+        return self.metric.compute(
+            predictions=np.argmax(prediction.predictions, axis=-1), references=prediction.label_ids
+        )

@@ -1,0 +1,166 @@
+"""What each variant starts from (a converted or healed folder, the native checkpoint, or a configuration), and its
+model built from there with the seed's classification head."""
+
+import dataclasses
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from ..convert import convert_checkpoint
+from ..convert.families import family_of
+from ..heal import heal_checkpoint
+from ..model.configuration_normswap import NormSwapConfig, mix_ln_placement
+from ..model.modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
+from ..tasks import Task
+from .experiment import Experiment, Variant
+
+
+HEAL_SUMMARY = (  # what a comparison keeps of a healing's heal.json, beside its first and last measurements
+    "objective",
+    "steps",
+    "learning_rate",
+    "batch_size",
+    "packing",
+    "dropout",
+    "freeze_embeddings",
+    "seconds",
+    "resumed",
+    "teacher_collapse",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What a variant starts from: a checkpoint folder (converted, healed, or the native source), or a NormSwap
+    configuration to initialise at random."""
+
+    kind: str  # "converted", "native" or "config"
+    path: str | None = None  # the checkpoint folder or Hub id
+    config: dict | None = None  # for "config": the NormSwap configuration
+    heal: dict | None = None  # for a healed variant: what its healing did (`HEAL_SUMMARY`)
+
+
+def prepare_variant(
+    model: str, variant: Variant, from_config: bool, task: Task | None, experiment: Experiment, output: Path
+) -> Start:
+    """Where `variant` of `model` starts from; a conversion or healing is written once into OUTPUT/variants."""
+    if variant.heal:
+        return _healed(model=model, variant=variant, task=task, experiment=experiment, output=output)
+    if variant.native:
+        return Start(kind="native", path=model)
+    source_config = _read_config(model, from_config)
+    placement = variant.placement
+    if placement == "mix_ln":
+        placement = mix_ln_placement(source_config.num_hidden_layers)
+    causal = experiment.task_type == "causal-lm"
+    if from_config:
+        return _configured(source_config, placement, variant.position, task, causal)
+    return _converted(model, placement, variant, experiment, output / "variants" / variant.start_folder)
+
+
+def _converted(model: str, placement, variant: Variant, experiment: Experiment, folder: Path) -> Start:
+    """`model` converted to the variant's placement and position, once per output folder, as `convert` does."""
+    if not (folder / "conversion.json").exists():
+        causal = experiment.task_type == "causal-lm"
+        convert_checkpoint(
+            source=model,
+            output=str(folder),
+            norm_placement=placement,
+            position_embedding_type=variant.position,
+            norm_mapping=experiment.norm_mapping,
+            calibrate=experiment.calibrate,
+            attention="causal" if causal else None,  # None: bidirectional, or a NormSwap source's own
+            head="causal-lm" if causal else "sequence-classification",
+            overwrite=True,
+            allow_pickle=experiment.allow_pickle,
+            log=lambda line: None,
+        )
+    return Start(kind="converted", path=str(folder))
+
+
+def _read_config(model: str, from_config: bool):
+    try:
+        return NormSwapConfig.from_json_file(model) if from_config else AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, StrictDataclassError) as error:
+        raise ValueError(f"{model}: not a readable configuration ({str(error).splitlines()[0]})") from None
+
+
+def _configured(source: NormSwapConfig, placement, position: str | None, task: Task, causal: bool) -> Start:
+    """A configuration with the variant's placement and position, and the task's head."""
+    fields = source.to_dict()
+    if placement:
+        fields.update(norm_placement=placement, embedding_norm=None, final_norm=None)
+    if position:
+        fields.update(position_embedding_type=position)
+    fields = {k: v for k, v in fields.items() if k not in ("id2label", "label2id")}
+    if causal:
+        fields.update(is_causal=True)
+    else:
+        fields.update(num_labels=task.num_labels)
+    return Start(kind="config", config=NormSwapConfig.from_dict(fields).to_dict())
+
+
+def _healed(model: str, variant: Variant, task: Task, experiment: Experiment, output: Path) -> Start:
+    """The converted variant healed once per output folder and shared by every seed; an interrupted healing resumes
+    from its last checkpoint."""
+    converted = prepare_variant(
+        model=model, variant=variant.converted, from_config=False, task=task, experiment=experiment, output=output
+    )
+    folder = output / "variants" / variant.start_folder
+    if not (folder / "heal.json").exists():
+        heal_checkpoint(
+            variant=converted.path,
+            output=str(folder),
+            teacher=model,
+            checkpoint_dir=str(output / "healing" / variant.start_folder),
+            overwrite=True,
+            log=None,
+            **{"packing": experiment.packing, **(experiment.heal or {})},
+        )
+    record = json.loads((folder / "heal.json").read_text())
+    summary = {key: record[key] for key in HEAL_SUMMARY}
+    summary.update(before=record["before"][-1], after=record["after"][-1], data=record["data"]["name"])
+    return Start(kind="converted", path=str(folder), heal=summary)
+
+
+def build_model(start: Start, seed: int, num_labels: int, causal: bool) -> torch.nn.Module:
+    """The variant's model; a classification head is initialised from `seed` alone, the same for every variant."""
+    torch.manual_seed(seed)  # whatever the checkpoint lacks (pooler, head), or all of a config's weights
+    if start.kind == "config":
+        config = NormSwapConfig.from_dict(start.config)
+        return NormSwapForCausalLM(config) if causal else NormSwapForSequenceClassification(config)
+    if causal:
+        return AutoModelForCausalLM.from_pretrained(start.path)
+    model, loading = AutoModelForSequenceClassification.from_pretrained(
+        start.path, num_labels=num_labels, ignore_mismatched_sizes=True, output_loading_info=True
+    )
+    fresh = set(loading["missing_keys"]) | {name for name, *_ in loading["mismatched_keys"]}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            role = _role(model, name)
+            if name in fresh or (isinstance(role, str) and role.startswith("classifier.")):
+                parameter.copy_(_head_start(role, parameter.shape, seed, model.config.initializer_range))
+    return model
+
+
+def _role(model, name: str):
+    """The NormSwap name of a parameter of a NormSwap or native sequence classifier (a tuple for a fused one)."""
+    if isinstance(model.config, NormSwapConfig):
+        return name
+    return family_of(model.config).rename(name, head="sequence-classification")
+
+
+def _head_start(role: str, shape, seed: int, std: float) -> torch.Tensor:
+    """The starting value of a classification-head tensor (or any other the checkpoint lacks), named by its NormSwap
+    name so that every variant gets the same: biases 0, norm weights 1, other weights normal(0, std) from the seed."""
+    if role.endswith("bias"):
+        return torch.zeros(shape)
+    if "norm" in role:
+        return torch.ones(shape)
+    offset = 0 if role == "classifier.weight" else zlib.crc32(role.encode())
+    generator = torch.Generator().manual_seed(seed + offset)
+    return torch.randn(shape, generator=generator) * std
