@@ -27,6 +27,20 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "sentencepiece.bpe.model",
     "spiece.model",
+    "chat_template.jinja",
+)
+# A sentence-transformers pipeline around the checkpoint: its module list, its settings, and (for old saves) the root
+# Transformer's settings under the names sentence-transformers still reads.
+SENTENCE_TRANSFORMERS_FILES = (
+    "modules.json",
+    "config_sentence_transformers.json",
+    "sentence_bert_config.json",
+    "sentence_roberta_config.json",
+    "sentence_distilbert_config.json",
+    "sentence_camembert_config.json",
+    "sentence_albert_config.json",
+    "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
 )
 
 
@@ -186,9 +200,43 @@ def resolve_source(source: str, allow_pickle: bool = False) -> tuple[Path, str |
     return folder, folder.name
 
 
-def copy_tokenizer_files(folder: Path, destination: Path) -> list[str]:
-    """Copies the tokenizer files found in `folder`; returns their names."""
-    present = [name for name in TOKENIZER_FILES if (folder / name).exists()]
-    for name in present:
+def companion_files(folder: Path, tokenizer: bool = True) -> list[str]:
+    """The files that travel with a checkpoint's weights, as paths relative to `folder`: its tokenizer's (unless
+    `tokenizer=False`) and its sentence-transformers pipeline's (`modules.json`, its settings, and every file of the
+    module folders it names; the Transformer at the root is the checkpoint itself)."""
+    files = [name for name in TOKENIZER_FILES if tokenizer and (folder / name).is_file()]
+    if not (folder / "modules.json").is_file():
+        return files
+    files += [name for name in SENTENCE_TRANSFORMERS_FILES if (folder / name).is_file()]
+    for module in _module_folders(folder):
+        files += sorted(path.relative_to(folder).as_posix() for path in module.rglob("*") if path.is_file())
+    return list(dict.fromkeys(files))  # a folder named twice is copied once
+
+
+def copy_companion_files(folder: Path, destination: Path, tokenizer: bool = True) -> list[str]:
+    """Copies the `companion_files` of `folder` into `destination`; returns their relative paths."""
+    files = companion_files(folder, tokenizer=tokenizer)
+    for name in files:
+        (destination / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(folder / name, destination / name)
-    return present
+    return files
+
+
+def _module_folders(folder: Path) -> list[Path]:
+    """The folders of the sentence-transformers modules that `modules.json` names (those present; sentence-transformers
+    itself loads a Normalize module without one)."""
+    record = folder / "modules.json"
+    try:
+        paths = [module.get("path", "") for module in json.loads(record.read_text())]
+    except (json.JSONDecodeError, AttributeError, TypeError):
+        raise CheckpointError(f"{record}: not a sentence-transformers module list (a JSON list of modules)") from None
+    root, folders = folder.resolve(), []
+    for path in paths:
+        if not isinstance(path, str):
+            raise CheckpointError(f"{record}: module path {path!r} is not a string")
+        module = (folder / path).resolve()
+        if module != root and not module.is_relative_to(root):
+            raise CheckpointError(f"{record}: module path {path!r} lies outside the checkpoint folder")
+        if module != root and (folder / path).is_dir():
+            folders.append(folder / path)
+    return folders

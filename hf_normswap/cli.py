@@ -103,6 +103,7 @@ def _add_generate(commands) -> None:
     )
     parser.add_argument("folder", help="NormSwap causal-LM checkpoint folder or Hub id")
     parser.add_argument("--prompt", required=True, action="append", help="the text to continue; repeat for more")
+    parser.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: FOLDER's)")
     parser.add_argument("--max-new-tokens", type=_positive, default=32)
     parser.add_argument("--sample", action="store_true", help="sample (with --seed) instead of greedy decoding")
     parser.add_argument("--seed", type=int, default=0)
@@ -119,10 +120,37 @@ def _run_generate(args) -> None:
             f"{args.folder}: not a NormSwap causal LM (is_causal=True, NormSwapForCausalLM); convert with "
             "--attention causal --head causal-lm"
         )
+    tokenizer = _generation_tokenizer(args.tokenizer, args.folder)
+    for prompt in args.prompt:
+        outside = [i for i in tokenizer(prompt)["input_ids"] if not 0 <= i < config.vocab_size]
+        if outside:
+            raise ValueError(
+                f"--prompt {prompt!r}: the tokenizer gives token id {outside[0]}, outside the model's vocabulary "
+                f"(vocab_size {config.vocab_size}); pass the model's own tokenizer with --tokenizer"
+            )
     set_seed(args.seed)
-    generator = pipeline("text-generation", model=args.folder)
+    generator = pipeline("text-generation", model=args.folder, tokenizer=tokenizer)
     for outputs in generator(args.prompt, max_new_tokens=args.max_new_tokens, do_sample=args.sample):
         print(outputs[0]["generated_text"])
+
+
+def _generation_tokenizer(name: str | None, folder: str):
+    """The tokenizer `--tokenizer` names (default: FOLDER's), or a one-line error saying what to pass."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name or folder)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        if Path(name or folder).is_dir():
+            problem = f"{name or folder}: no tokenizer files"
+        else:
+            why = (str(error).strip().splitlines() or [repr(error)])[0]
+            problem = f"{name or folder}: no tokenizer could be loaded ({why})"
+        if name is None:
+            hint = "pass --tokenizer with a folder or Hub id that has one (e.g. the source's)"
+        else:
+            hint = "give --tokenizer a folder or Hub id that has one"
+        raise ValueError(f"{problem}; {hint}") from None
 
 
 def _add_heal(commands) -> None:

@@ -201,3 +201,16 @@ def greedy(model, input_ids, attention_mask):
 def left_padded_prompts(vocab_size, lengths=(7, 4)):
     input_ids, attention_mask = padded_batch(vocab_size=vocab_size, lengths=lengths)
     return input_ids.flip(1), attention_mask.flip(1)  # generation pads on the left
+
+
+# The fields that make a NormSwap config LLaMA-like (pre-LN, RMSNorm, RoPE, SwiGLU, GQA, no biases).
+LLAMA_LIKE = dict(
+    norm_placement="pre",
+    norm_type="rmsnorm",
+    position_embedding_type="rope",
+    mlp_type="glu",
+    hidden_act="silu",
+    num_key_value_heads=2,
+    attention_bias=False,
+    mlp_bias=False,
+)

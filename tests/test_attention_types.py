@@ -15,7 +15,9 @@ SLIDING = ["sliding_attention", "full_attention"]
 def test_defaults_are_all_full_attention():
     config = tiny_config()
     assert config.layer_types == ["full_attention", "full_attention"] and config.sliding_window is None
-    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    assert config.rope_parameters is None  # only RoPE configurations carry rope parameters
+    rope = tiny_config(position_embedding_type="rope")
+    assert rope.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
 
 
 @pytest.mark.parametrize(

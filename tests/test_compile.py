@@ -5,22 +5,12 @@ import torch
 
 from hf_normswap import DataCollatorWithPacking, NormSwapModel
 
-from helpers import padded_batch, tiny_config
+from helpers import LLAMA_LIKE, padded_batch, tiny_config
 
 
 CONFIGS = {
     "default": {},
-    "llama-like": dict(
-        norm_placement="pre",
-        norm_type="rmsnorm",
-        position_embedding_type="rope",
-        mlp_type="glu",
-        hidden_act="silu",
-        num_key_value_heads=2,
-        is_causal=True,
-        attention_bias=False,
-        mlp_bias=False,
-    ),
+    "llama-like": dict(LLAMA_LIKE, is_causal=True),
 }
 
 

@@ -5,7 +5,17 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, OPTConfig, OPTModel
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    GPT2Model,
+    OPTConfig,
+    OPTModel,
+)
 
 from hf_normswap import NormSwapConfig, convert_checkpoint
 from hf_normswap.cli import main as cli
@@ -590,3 +600,24 @@ def test_converted_modernbert_is_a_source_again(tmp_path):
     once, twice = tensors(tmp_path / "once"), tensors(tmp_path / "twice")
     assert set(once) == set(twice) and all(torch.equal(t, twice[n]) for n, t in once.items())
     assert "head.norm.weight" in twice
+
+
+@pytest.mark.parametrize("architecture", [GPT2Model, GPT2LMHeadModel, GPT2ForSequenceClassification])
+def test_gpt2_with_special_ids_beyond_its_vocabulary_converts_exactly(tmp_path, architecture):
+    """GPT2Config(vocab_size=211) keeps GPT-2's BOS/EOS 50256: verification pads with an id in the vocabulary."""
+    config = GPT2Config(vocab_size=211, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64)
+    assert config.eos_token_id == 50256 and config.pad_token_id is None
+    native = architecture(config).eval()
+    native.save_pretrained(tmp_path / "source")
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "out"), attention="causal", log=lambda _: None
+    )
+    assert report["exact"] is True and report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
+    logits = report["measured"]["logits_max_abs_diff"]
+    assert (logits is None) == (architecture is GPT2Model) and (logits is None or logits <= 1e-4)
+    saved = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert saved["measured"] == report["measured"] and saved["target_config"]["eos_token_id"] == 50256
+    ours = HEAD_CLASSES[report["head"]].from_pretrained(tmp_path / "out").eval()
+    input_ids = torch.randint(0, 211, (1, 12), generator=torch.Generator().manual_seed(0))  # a classifier pads none
+    with torch.no_grad():
+        assert (native(input_ids)[0] - ours(input_ids)[0]).abs().max().item() <= 1e-4

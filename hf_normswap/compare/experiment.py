@@ -2,6 +2,7 @@
 and the variants it names."""
 
 import dataclasses
+import difflib
 import itertools
 import math
 import types
@@ -149,9 +150,11 @@ class Experiment:
         if not isinstance(fields, dict):
             raise ValueError(f"experiment file {path}: expected a mapping of field names to values")
         hints = typing.get_type_hints(cls)
-        unknown = sorted(set(fields) - set(hints))
+        unknown = sorted(set(fields) - set(hints), key=str)
         if unknown:
-            raise ValueError(f"experiment file {path}: unknown keys {unknown}; allowed: {sorted(hints)}")
+            raise ValueError(f"experiment file {path}: {_unknown('key', unknown, hints)}")
+        if isinstance(fields.get("heal"), dict):
+            _check_heal_settings(fields["heal"], where=f"experiment file {path}: ")
         for name, value in fields.items():
             if _kinds(hints[name]) == (list,) and isinstance(value, str):
                 fields[name] = value = value.split(",")
@@ -201,9 +204,7 @@ class Experiment:
                 raise ValueError(
                     f"variant {variant.spec!r}: healing needs a converted variant of a pretrained checkpoint"
                 )
-        unknown = sorted(set(self.heal or {}) - set(HEAL_SETTINGS))
-        if unknown:
-            raise ValueError(f"heal: unknown settings {unknown}; allowed: {' '.join(HEAL_SETTINGS)}")
+        _check_heal_settings(self.heal or {})
         if self.reference is not None and self.reference not in self.variants:
             raise ValueError(
                 f"reference={self.reference!r} is invalid: it must be one of the variants {self.variants}"
@@ -308,6 +309,39 @@ def _placement_and_position(name: str) -> tuple[str | None, str | None]:
             f":POSITION ({', '.join(POSITION_EMBEDDING_TYPES)})"
         )
     return placement or None, position or None
+
+
+def _unknown(kind: str, names: list, allowed) -> str:
+    """`unknown key 'variantz' (did you mean 'variants'?)`: the first few names, with the nearest allowed one each has;
+    the full list of allowed names is `hf-normswap compare --help`'s."""
+    shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    guess = _did_you_mean(names, allowed)
+    return f"unknown {kind}{'s' if len(names) > 1 else ''} {shown} ({guess or 'see hf-normswap compare --help'})"
+
+
+def _check_heal_settings(settings: dict, where: str = "") -> None:
+    """The `heal:` settings are HealOptions' fields (`HEAL_SETTINGS`); an unknown one gets the nearest, or the list
+    (where the line has room for it: not after a file's name)."""
+    unknown = sorted(set(settings) - set(HEAL_SETTINGS), key=str)
+    if unknown:
+        listed = "see hf-normswap compare --help" if where else f"allowed: {' '.join(HEAL_SETTINGS)}"
+        guess = _did_you_mean(unknown, HEAL_SETTINGS) or listed
+        raise ValueError(f"{where}heal: unknown settings {unknown} ({guess})")
+
+
+def _did_you_mean(names: list, allowed) -> str | None:
+    """`did you mean 'variants'?` for one name, `did you mean 'seeds' for 'sedes', ...?` for several; None when no
+    allowed name is near."""
+    nearest = {}
+    for name in names[:3]:
+        matches = difflib.get_close_matches(str(name), [str(option) for option in allowed], n=1)
+        if matches:
+            nearest[name] = matches[0]
+    if not nearest:
+        return None
+    if len(names) == 1:
+        return f"did you mean {nearest[names[0]]!r}?"
+    return "did you mean " + ", ".join(f"{match!r} for {name!r}" for name, match in nearest.items()) + "?"
 
 
 def _unwrap(annotation):

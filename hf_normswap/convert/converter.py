@@ -9,7 +9,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard
 from transformers import AutoTokenizer
 
-from ..checkpoint import TOKENIZER_FILES, check_output, copy_tokenizer_files, output_folder
+from ..checkpoint import TOKENIZER_FILES, check_output, copy_companion_files, output_folder
 from ..model import copy_remote_code
 from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers
 from .norm_mapping import norm_slots
@@ -43,6 +43,7 @@ class SwapRecord:
 class TokenizerRecord:
     files: list[str]
     pad_token_added: str | None
+    sentence_transformers: list[str]  # the pipeline's files carried with it: modules.json, its settings, its modules
 
 
 @dataclass
@@ -127,16 +128,24 @@ def _write(plan: ConversionPlan, staging: Path) -> tuple[WeightsRecord, Tokenize
 
 
 def _write_tokenizer(plan: ConversionPlan, staging: Path) -> TokenizerRecord:
-    """Copies the tokenizer; a causal family's is saved as Transformers loads it, with EOS as pad if it had none."""
+    """Copies the tokenizer and a sentence-transformers pipeline around the model; a causal family's tokenizer is
+    saved as Transformers loads it, with EOS as pad if it had none."""
     folder = plan.folder
-    if not plan.family.causal or not any((folder / name).exists() for name in TOKENIZER_FILES):
-        return TokenizerRecord(files=copy_tokenizer_files(folder=folder, destination=staging), pad_token_added=None)
+    resave = plan.family.causal and any((folder / name).exists() for name in TOKENIZER_FILES)
+    copied = copy_companion_files(folder=folder, destination=staging, tokenizer=not resave)
+    pipeline = [name for name in copied if name not in TOKENIZER_FILES]
+    if not resave:
+        return TokenizerRecord(
+            files=[name for name in copied if name in TOKENIZER_FILES],
+            pad_token_added=None,
+            sentence_transformers=pipeline,
+        )
     tokenizer = AutoTokenizer.from_pretrained(folder)
     added = None
     if tokenizer.pad_token is None and (tokenizer.eos_token or tokenizer.unk_token):
         tokenizer.pad_token = added = tokenizer.eos_token or tokenizer.unk_token
     files = sorted(Path(name).name for name in tokenizer.save_pretrained(staging))
-    return TokenizerRecord(files=files, pad_token_added=added)
+    return TokenizerRecord(files=files, pad_token_added=added, sentence_transformers=pipeline)
 
 
 def _calibrate(

@@ -23,7 +23,7 @@ from transformers import (
     Olmo2Config,
 )
 
-from ..checkpoint import copy_tokenizer_files, output_folder, resolve_source
+from ..checkpoint import copy_companion_files, output_folder, resolve_source
 from ..model.configuration_normswap import LAYER_TYPES, NormSwapConfig, rope_parameters_by_layer_type
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
 from .families import BERT, DISTILBERT, ELECTRA, GEMMA, GPT2, LLAMA, MODERNBERT, OLMO2, Family, normswap_config
@@ -217,10 +217,13 @@ def _blockers(config: NormSwapConfig, build) -> list[str]:
         round_trip = normswap_config(build(config)).to_dict()
     except (ValueError, TypeError, StrictDataclassError) as error:
         return [" ".join(str(error).split())]
+    ignored = set(_IGNORED_FIELDS)
+    if round_trip["position_embedding_type"] != config.position_embedding_type:
+        ignored.add("rope_parameters")  # follows from the position scheme, which is named already
     return [
         f"{field}={value!r} (needs {round_trip.get(field)})"
         for field, value in config.to_dict().items()
-        if field not in _IGNORED_FIELDS and round_trip.get(field) != value
+        if field not in ignored and round_trip.get(field) != value
     ]
 
 
@@ -269,7 +272,7 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
 
     with output_folder(output=output, overwrite=overwrite) as staging:
         native.save_pretrained(staging)
-        copy_tokenizer_files(folder=Path(folder), destination=staging)
+        copy_companion_files(folder=Path(folder), destination=staging)
     log(f"wrote {type(native).__name__} to {output}")
     return {"family": family.name, "architecture": type(native).__name__}
 

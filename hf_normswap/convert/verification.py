@@ -83,6 +83,15 @@ def load_unswapped(source: str, head: str = "base") -> torch.nn.Module:
         raise ConversionError(f"{source}: cannot be loaded as NormSwap ({str(error).splitlines()[0]})") from None
 
 
+def padding_id(pad_token_id: int | None, eos_token_id, vocab_size: int) -> int:
+    """The id a verification batch is padded with: the pad id, else EOS, where it lies in the vocabulary, else 0 (a
+    config may keep special ids beyond a shrunk vocabulary, as GPT2Config(vocab_size=211) keeps EOS 50256)."""
+    for candidate in (pad_token_id, eos_token_id):
+        if isinstance(candidate, int) and 0 <= candidate < vocab_size:
+            return candidate
+    return 0
+
+
 def random_batch(vocab_size: int, pad_token_id: int | None, seed: int = 0):
     """Random token ids (never the pad id) with right padding, and the attention mask."""
     generator = torch.Generator().manual_seed(seed)
@@ -101,8 +110,8 @@ def verify_conversion(*, plan: ConversionPlan, plain_model, folder: Path, compar
     how far it is, the swap's effect and collapse."""
     native = NATIVE_AUTO_CLASSES[plan.head].from_pretrained(plan.folder, dtype=torch.float32).eval()
     plain = plain_model.config
-    if native.config.pad_token_id is None:  # causal-LM classifiers find the last token by a pad id
-        native.config.pad_token_id = plain.eos_token_id if isinstance(plain.eos_token_id, int) else 0
+    # causal-LM classifiers find the last token by the pad id: the one the batch is padded with
+    native.config.pad_token_id = padding_id(native.config.pad_token_id, plain.eos_token_id, plain.vocab_size)
     batch = random_batch(plain.vocab_size, native.config.pad_token_id)
     measured = _measure_unswapped(native, plain_model, plan.head, batch, compare_logits, log)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from ..checkpoint import check_output, copy_tokenizer_files, output_folder
+from ..checkpoint import check_output, copy_companion_files, output_folder
 from ..model import copy_remote_code
 from ..probes.collapse import collapse_of_states
 from .data import HealTexts, heal_texts
@@ -121,7 +121,8 @@ def _train(
 
 def _save(models: HealModels, source: Path, staging: Path, report: HealReport) -> None:
     """The healed student with its configured dropout (without the weights the variant initialises at load), its
-    code, tokenizer, conversion.json (lineage included) with the healing added, heal.json and heal.png."""
+    code, tokenizer and sentence-transformers modules, conversion.json (lineage included) with the healing added,
+    heal.json and heal.png."""
     record = source / "conversion.json"
     conversion = json.loads(record.read_text()) if record.exists() else None
     at_load = set(conversion["weights"]["initialized_at_load"]) if conversion else set()
@@ -129,7 +130,7 @@ def _save(models: HealModels, source: Path, staging: Path, report: HealReport) -
     state = {name: tensor for name, tensor in models.student.state_dict().items() if name not in at_load}
     models.student.save_pretrained(staging, state_dict=state)
     copy_remote_code(staging)
-    copy_tokenizer_files(source, staging)
+    copy_companion_files(source, staging)
     if conversion:
         conversion["heal"] = report.lineage()
         (staging / "conversion.json").write_text(json.dumps(conversion, indent=2) + "\n")

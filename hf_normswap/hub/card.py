@@ -29,17 +29,17 @@ def template_path() -> Path:
 
 
 def _card_data(folder: Path, repo_id: str, config, head: str, base_model: str | None, license: str | None, datasets):
-    conversion = json.loads((folder / "conversion.json").read_text()) if (folder / "conversion.json").exists() else {}
+    record = folder / "conversion.json"
+    conversion = json.loads(record.read_text()) if record.exists() else {}
     source = conversion.get("source", {})
     from_hub = source.get("revision") is not None  # a local source has no revision
     base_model = base_model or (source.get("id") if from_hub else None)
     if not base_model:
-        raise ValueError(
-            f"model card field 'base_model' is missing: {folder}/conversion.json names no Hub id; pass --base-model"
-        )
+        raise ValueError(f"model card field 'base_model' is missing: {_no_source(record, source)}; pass --base-model")
     license = license or source.get("license")
     if not license:
-        raise ValueError("model card field 'license' is missing: the source card gives none; pass --license")
+        why = _no_source(record, source, "the source's license") if not conversion else "the source's card gives none"
+        raise ValueError(f"model card field 'license' is missing: {why}; pass --license")
     placement = config.norm_placement if isinstance(config.norm_placement, str) else "mix_ln"
     return conversion, ModelCardData(
         model_name=repo_id.split("/")[-1],
@@ -50,6 +50,16 @@ def _card_data(folder: Path, repo_id: str, config, head: str, base_model: str | 
         pipeline_tag=PIPELINE_TAGS[head],
         datasets=datasets or None,
     )
+
+
+def _no_source(record: Path, source: dict, what: str = "the source") -> str:
+    """Why `record` (a folder's conversion.json) gives no Hub id for the source: it is missing (a Trainer's output),
+    or the source was a local folder."""
+    if not record.exists():
+        return f"{record.parent} has no conversion.json naming {what}"
+    if source.get("id"):
+        return f"{record} names a local source ({source['id']}), not a Hub id"
+    return f"{record} names no source"
 
 
 def _comparison(folder: Path, variant: str | None) -> tuple[dict | None, str | None]:
@@ -95,7 +105,7 @@ def build_card(
         position=config.position_embedding_type,
         attention="causal" if config.is_causal else "bidirectional",
         auto_class=NATIVE_AUTO_CLASSES[head].__name__,
-        **_conversion_fields(conversion, placement=placement, position=config.position_embedding_type),
+        **_conversion_fields(conversion),
         comparison_intro=_comparison_intro(results, name) if results else None,
         comparison_table="\n".join(_comparison_rows(results)) if results else None,
         plots=plots,
@@ -121,31 +131,57 @@ def _eval_results(results: dict, name: str) -> list[EvalResult]:
     ]
 
 
-def _conversion_fields(conversion: dict, placement: str, position: str) -> dict:
+def _conversion_fields(conversion: dict) -> dict:
     """The template's fields that come from `conversion.json`: the swap, the calibration, the measurements."""
     swap = conversion.get("swap", {})
     measured = conversion.get("measured") or {}
-    effect = conversion.get("swap_effect")
     logits = measured.get("logits_max_abs_diff")
     weights = conversion.get("weights", {})
     return dict(
-        source_placement=(swap.get("norm_placement") or [placement])[0],
-        source_position=(swap.get("position_embedding_type") or [position])[0],
-        source_attention=(swap.get("attention") or ["", ""])[0],
+        recorded=bool(conversion),
+        source_placement=(swap.get("norm_placement") or ["not recorded"])[0],
+        source_position=(swap.get("position_embedding_type") or ["not recorded"])[0],
+        source_attention=(swap.get("attention") or ["not recorded"])[0],
         norm_mapping=conversion.get("norm_mapping", "n/a"),
         calibration=_calibration_line(conversion.get("calibration")),
         measured=bool(measured),
         measured_hidden=f"{measured.get('last_hidden_state_max_abs_diff', 0):.2e}",
         measured_logits=f"{logits:.2e}" if logits is not None else None,
         measured_mode=measured.get("mode"),
-        swap_effect=(
-            f"{effect['metric'].replace('_', ' ')} {effect['before']:.4f} before, {effect['after']:.4f} after"
-            if effect
-            else None
-        ),
+        swapped=_swapped(swap) if swap else True,
+        swap_effect=_swap_effect_line(conversion),
         dropped=", ".join(weights.get("dropped", [])),
         initialized=", ".join(weights.get("initialized", [])),
+        untrained=", ".join(f"`{name}`" for name in weights.get("initialized_at_load", [])),
     )
+
+
+def _swapped(swap: dict) -> bool:
+    """Whether the conversion changed anything: placement, position scheme, attention or norm type."""
+    return any(isinstance(pair, list) and len(set(map(str, pair))) > 1 for pair in swap.values())
+
+
+def _swap_effect_line(conversion: dict) -> str | None:
+    """What the swap did to the model, in one sentence; no figure where none means anything: nothing was swapped,
+    or the figure went through a head created at random at load (different in the model measured and in every
+    load of this one)."""
+    effect, swap = conversion.get("swap_effect"), conversion.get("swap") or {}
+    if not effect or not swap:
+        return None
+    if not _swapped(swap):
+        return "Nothing was swapped: this is the source on NormSwap's classes, so no swap effect is reported."
+    untrained = conversion.get("weights", {}).get("initialized_at_load")
+    if untrained and effect["metric"] != "cosine_similarity":  # a loss through a random head
+        return "No swap effect is reported: it could only be measured through the untrained head."
+    healed = " (before healing, see `heal.json`)" if conversion.get("heal") else ""
+    moved = "kept the model (an exact swap)" if conversion.get("exact") else "moved the model"
+    if effect["metric"] == "cosine_similarity":  # the last hidden states, against the unswapped model's
+        return (
+            f"The swap {moved}{healed}: mean cosine similarity of the last hidden states to the unswapped model's "
+            f"{effect['after']:.4f}."
+        )
+    metric = effect["metric"].replace("_", " ")
+    return f"The swap {moved}{healed}: {metric} {effect['before']:.4f} before, {effect['after']:.4f} after."
 
 
 def _comparison_intro(results: dict, name: str) -> str:

@@ -9,7 +9,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
-from ..checkpoint import TOKENIZER_FILES, output_folder, weight_files
+from ..checkpoint import companion_files, output_folder, weight_files
 from ..model import REMOTE_CODE_FILES
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import NATIVE_AUTO_CLASSES
@@ -17,7 +17,8 @@ from .card import build_card
 
 
 def prepare_upload(folder: str | Path, repo_id: str, destination: Path, **card_options) -> list[str]:
-    """Writes into `destination` exactly what is uploaded: weights, config, code, tokenizer, report, card."""
+    """Writes into `destination` exactly what is uploaded: weights, config, code, tokenizer, sentence-transformers
+    modules, report, card."""
     folder = Path(folder)
     try:
         validate_repo_id(repo_id)
@@ -40,9 +41,11 @@ def prepare_upload(folder: str | Path, repo_id: str, destination: Path, **card_o
     card, plots = build_card(folder, repo_id, **card_options)
     files = [path.name for path in weight_files(folder)]
     files += ["config.json", *REMOTE_CODE_FILES]
-    extras = (*TOKENIZER_FILES, SAFE_WEIGHTS_INDEX_NAME, "conversion.json", "generation_config.json")
+    extras = (SAFE_WEIGHTS_INDEX_NAME, "conversion.json", "generation_config.json")
     files += [name for name in extras if (folder / name).exists()]
+    files += companion_files(folder)  # tokenizer, sentence-transformers modules (some in module folders)
     for name in files:
+        (destination / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(folder / name, destination / name)
     for plot in plots:
         shutil.copy(folder.parent.parent / plot, destination / plot)

@@ -163,9 +163,14 @@ class NormSwapConfig(PreTrainedConfig):
         Added to the position ids of absolute and sinusoidal embeddings (RoBERTa starts after its padding index).
     rope_parameters (`dict`, *optional*):
         Transformers' rope parameters: one dict for all layers, or one per layer type
-        (`{"full_attention": {...}, "sliding_attention": {...}}`, as Gemma 3 and ModernBERT).
+        (`{"full_attention": {...}, "sliding_attention": {...}}`, as Gemma 3 and ModernBERT). Only RoPE models keep
+        them (defaults filled in); with another `position_embedding_type` they are checked, then dropped (None), so
+        tools reading the config do not take the model for a RoPE one.
     is_causal (`bool`, defaults to `False`):
         Causal attention instead of bidirectional.
+    use_cache (`bool`, defaults to `True`):
+        Whether a causal model's forward builds and returns its key/value cache (`past_key_values`) when the call
+        does not say; bidirectional models have none.
     layer_types (`list[str]`, *optional*):
         One per layer, `"full_attention"` or `"sliding_attention"`; None means all full.
     sliding_window (`int`, *optional*):
@@ -232,6 +237,7 @@ class NormSwapConfig(PreTrainedConfig):
     rope_parameters: RopeParameters | dict | None = None
 
     is_causal: bool = False
+    use_cache: bool = True
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     attention_bias: bool = True
@@ -291,6 +297,8 @@ class NormSwapConfig(PreTrainedConfig):
             self.final_norm = "residual_norm" not in NORM_PLACEMENTS[placements[-1]]
         super().__post_init__(**kwargs)
         self._check_rope()
+        if self.position_embedding_type != "rope":  # checked, but nothing reads them
+            self.rope_parameters = None
 
     @property
     def layer_norm_placements(self) -> list[str]:
@@ -298,6 +306,24 @@ class NormSwapConfig(PreTrainedConfig):
         if isinstance(self.norm_placement, str):
             return [self.norm_placement] * self.num_hidden_layers
         return list(self.norm_placement)
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Transformers' tensor-parallel plan of `NormSwapModel`, in LLaMA's names: the token embeddings split over
+        the vocabulary, queries, keys and values (and the MLP's gate and up) column-wise, the output projections
+        row-wise. Where attention must see every head (ALiBi's slopes, q/k norms over the whole projection) the
+        projections gather their outputs, as OLMo 2's; q/k norms per head gather their gradients, as Qwen 3's."""
+        heads_split = self.position_embedding_type != "alibi" and not (self.qk_norm and self.qk_norm_scope != "head")
+        attention = ("colwise", "rowwise") if heads_split else ("colwise_gather_output", "rowwise_split_input")
+        plan = {"embeddings.word_embeddings": "embedding_rowwise"}
+        plan.update({f"layers.*.self_attn.{name}_proj": attention[0] for name in ("q", "k", "v")})
+        plan["layers.*.self_attn.o_proj"] = attention[1]
+        if self.qk_norm and heads_split:
+            plan.update({f"layers.*.self_attn.{name}_norm": "replicated_with_grad_allreduce" for name in ("q", "k")})
+        if self.mlp_type == "glu":
+            plan["layers.*.mlp.gate_proj"] = "colwise"
+        plan.update({"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
+        return plan
 
     @property
     def deepnorm_alpha(self) -> float:
@@ -376,10 +402,10 @@ class NormSwapConfig(PreTrainedConfig):
 
     @property
     def layer_rope_parameters(self) -> dict[str, dict]:
-        """The rope parameters of each layer type in use."""
+        """The rope parameters of each layer type in use (empty dicts without RoPE)."""
         if rope_parameters_by_layer_type(self.rope_parameters):
             return dict(self.rope_parameters)
-        return dict.fromkeys(self.layer_types, self.rope_parameters)
+        return {layer_type: dict(self.rope_parameters or {}) for layer_type in self.layer_types}
 
     def _check_rope(self) -> None:
         for parameters in self.layer_rope_parameters.values():

@@ -68,6 +68,7 @@ class NormSwapPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True  # static caches: compiled (fullgraph) forward and generation
     _can_record_outputs = {"hidden_states": NormSwapLayer, "attentions": NormSwapAttention}
 
     @property
@@ -201,6 +202,7 @@ class NormSwapModel(NormSwapPreTrainedModel):
 
 
 class NormSwapForMaskedLM(NormSwapPreTrainedModel):
+    _tp_plan = {"lm_head.decoder": "colwise_gather_output"}
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embeddings.word_embeddings.weight"}
 
     def __init__(self, config: NormSwapConfig):
@@ -237,6 +239,8 @@ class NormSwapForMaskedLM(NormSwapPreTrainedModel):
 
 
 class NormSwapForSequenceClassification(NormSwapPreTrainedModel):
+    accepts_loss_kwargs = False  # a mean loss of its own: the Trainer must not rescale it by the process count
+
     def __init__(self, config: NormSwapConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -301,13 +305,15 @@ class NormSwapForTokenClassification(NormSwapPreTrainedModel):
         logits = self.classifier(self.dropout(self.head(outputs.last_hidden_state)))
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits, labels, self.config)
+            loss = self.loss_function(logits, labels, self.config, **kwargs)  # per token, over all devices
         return TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
 
 
 class NormSwapForQuestionAnswering(NormSwapPreTrainedModel):
+    accepts_loss_kwargs = False  # a mean loss of its own: the Trainer must not rescale it by the process count
+
     def __init__(self, config: NormSwapConfig):
         super().__init__(config)
         self.model = NormSwapModel(config)
@@ -355,6 +361,7 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
     """A causal LM head (no bias): scores text and generates with Transformers' caches."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.word_embeddings.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: NormSwapConfig):
         if not config.is_causal:
