@@ -44,6 +44,13 @@ def _common(config: NormSwapConfig) -> dict:
     )
 
 
+def _encoder_common(config: NormSwapConfig) -> dict:
+    """The shared fields that BERT-style configurations take: no bos / eos token ids."""
+    common = _common(config)
+    del common["bos_token_id"], common["eos_token_id"]
+    return common
+
+
 def _decoder(config: NormSwapConfig) -> dict:
     """The fields LLaMA-style configurations share."""
     return dict(
@@ -62,8 +69,7 @@ def _decoder(config: NormSwapConfig) -> dict:
 
 
 def _bert_config(config: NormSwapConfig, config_class=BertConfig, **extra):
-    common = _common(config)
-    common.pop("bos_token_id"), common.pop("eos_token_id")
+    common = _encoder_common(config)
     return config_class(
         **common,
         **extra,
@@ -86,8 +92,7 @@ def _electra_config(config: NormSwapConfig):
 
 
 def _distilbert_config(config: NormSwapConfig):
-    common = _common(config)
-    common.pop("bos_token_id"), common.pop("eos_token_id")
+    common = _encoder_common(config)
     return DistilBertConfig(
         **common,
         dim=config.hidden_size,
