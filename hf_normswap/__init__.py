@@ -5,6 +5,7 @@ from importlib.metadata import version
 from transformers import AutoConfig
 
 from .convert import convert_checkpoint
+from .gguf import smollm2_gguf
 from .heal import heal_checkpoint
 from .model.configuration_normswap import NormSwapConfig, mix_ln_placement
 from .model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES
@@ -39,4 +40,5 @@ __all__ = [
     "NormSwapForTokenClassification",
     "NormSwapForQuestionAnswering",
     "NormSwapForCausalLM",
+    "smollm2_gguf",
 ]

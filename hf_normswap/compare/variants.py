@@ -14,6 +14,7 @@ from ..convert import convert_checkpoint
 from ..convert.families import family_of
 from ..heal import heal_checkpoint
 from ..model.configuration_normswap import NormSwapConfig, mix_ln_placement
+from ..model.heads import head_of_config
 from ..model.modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
 from ..tasks import Task
 from .experiment import Experiment, Variant
@@ -27,9 +28,11 @@ HEAL_SUMMARY = (  # what a comparison keeps of a healing's heal.json, beside its
     "packing",
     "dropout",
     "freeze_embeddings",
+    "swap_schedule",
     "seconds",
     "resumed",
     "teacher_collapse",
+    "next_token",  # a causal LM's next-token KL and agreements before and after; None for other heads
 )
 
 
@@ -56,16 +59,26 @@ def prepare_variant(
     placement = variant.placement
     if placement == "mix_ln":
         placement = mix_ln_placement(source_config.num_hidden_layers)
-    causal = experiment.task_type == "causal-lm"
     if from_config:
-        return _configured(source_config, placement, variant.position, task, causal)
-    return _converted(model, placement, variant, experiment, output / "variants" / variant.start_folder)
+        return _configured(source_config, placement, variant.position, task, experiment)
+    folder = output / "variants" / variant.start_folder
+    return _converted(model, placement, variant, experiment, _head(experiment, source_config), folder)
 
 
-def _converted(model: str, placement, variant: Variant, experiment: Experiment, folder: Path) -> Start:
-    """`model` converted to the variant's placement and position, once per output folder, as `convert` does."""
+def _head(experiment: Experiment, source_config) -> str:
+    """The head conversions write: a causal LM's own under causal attention (healed as a language model; fine-tuning
+    loads it as a sequence classifier), else the task's."""
+    if experiment.task_type == "causal-lm":
+        return "causal-lm"
+    if experiment.conversion_attention == "causal" and head_of_config(source_config) == "causal-lm":
+        return "causal-lm"
+    return "sequence-classification"
+
+
+def _converted(model: str, placement, variant: Variant, experiment: Experiment, head: str, folder: Path) -> Start:
+    """`model` converted to the variant's placement and position with `head`, once per output folder, as `convert`
+    does."""
     if not (folder / "conversion.json").exists():
-        causal = experiment.task_type == "causal-lm"
         convert_checkpoint(
             source=model,
             output=str(folder),
@@ -73,8 +86,8 @@ def _converted(model: str, placement, variant: Variant, experiment: Experiment, 
             position_embedding_type=variant.position,
             norm_mapping=experiment.norm_mapping,
             calibrate=experiment.calibrate,
-            attention="causal" if causal else None,  # None: bidirectional, or a NormSwap source's own
-            head="causal-lm" if causal else "sequence-classification",
+            attention=experiment.conversion_attention,  # None: bidirectional, or a NormSwap source's own
+            head=head,
             overwrite=True,
             allow_pickle=experiment.allow_pickle,
             log=lambda line: None,
@@ -89,17 +102,17 @@ def _read_config(model: str, from_config: bool):
         raise ValueError(f"{model}: not a readable configuration ({str(error).splitlines()[0]})") from None
 
 
-def _configured(source: NormSwapConfig, placement, position: str | None, task: Task, causal: bool) -> Start:
-    """A configuration with the variant's placement and position, and the task's head."""
+def _configured(source: NormSwapConfig, placement, position: str | None, task: Task, experiment: Experiment) -> Start:
+    """A configuration with the variant's placement, position and attention, and the task's head."""
     fields = source.to_dict()
     if placement:
         fields.update(norm_placement=placement, embedding_norm=None, final_norm=None)
     if position:
         fields.update(position_embedding_type=position)
     fields = {k: v for k, v in fields.items() if k not in ("id2label", "label2id")}
-    if causal:
-        fields.update(is_causal=True)
-    else:
+    if experiment.conversion_attention:
+        fields.update(is_causal=experiment.conversion_attention == "causal")
+    if experiment.task_type != "causal-lm":
         fields.update(num_labels=task.num_labels)
     return Start(kind="config", config=NormSwapConfig.from_dict(fields).to_dict())
 
@@ -122,7 +135,7 @@ def _healed(model: str, variant: Variant, task: Task, experiment: Experiment, ou
             **{"packing": experiment.packing, **(experiment.heal or {})},
         )
     record = json.loads((folder / "heal.json").read_text())
-    summary = {key: record[key] for key in HEAL_SUMMARY}
+    summary = {key: record.get(key) for key in HEAL_SUMMARY}  # a heal.json of an older version lacks some
     summary.update(before=record["before"][-1], after=record["after"][-1], data=record["data"]["name"])
     return Start(kind="converted", path=str(folder), heal=summary)
 

@@ -28,6 +28,7 @@ from ..model.evaluation_mode import evaluation_mode
 from ..model.heads import HEAD_CLASSES
 from ..probes.probe_data import probe_batches, probe_tokenizer
 from .norm_mapping import NormSlot, norm_slots
+from .stream_calibration import calibrate_stream, calibrates_stream
 
 
 CALIBRATION_SIZE = 704  # the shipped SST-2 training sample, all of it
@@ -45,6 +46,7 @@ class CalibrationRecord:
     refit_errors: dict[str, list[float]]
     ridge: float | None
     modules: list[str]
+    stream_rms: list[float] | None = None  # out of pre-LN: the source's median stream RMS at each norm it reads
 
 
 def calibrate_checkpoint(
@@ -57,8 +59,9 @@ def calibrate_checkpoint(
     sublayers: dict[str, str],
     log,
 ) -> tuple[CalibrationRecord, set[str]]:
-    """Scales the writes of `sublayers` in the model written in FOLDER, and refits its linear writes against the
-    unswapped source (`source_model`); returns what was done and the names of the tensors it changed."""
+    """Calibrates the model written in FOLDER against the unswapped source (`source_model`): out of pre-LN into a
+    stream its norms write (`stream_calibration`), or by scaling the writes of `sublayers` and refitting its linear
+    writes. Returns what was done and the names of the tensors it changed."""
     model = HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32)
     tokenizer = probe_tokenizer(folder)
     batch = probe_batches(
@@ -68,11 +71,18 @@ def calibrate_checkpoint(
         batch_size=CALIBRATION_SIZE,
         split="train",
     )[0]
-    sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
-    scales, errors = calibrate_writes(model, sublayers, batch, source_sums(source_model, sources, batch))
-    prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
-    written = tuple(f"{prefix}{module}." for module in sublayers.values())
-    changed = {name: tensor for name, tensor in model.state_dict().items() if name.startswith(written)}
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    stream_rms, modules = None, list(sublayers.values())
+    if calibrates_stream(source_model.config, target):
+        calibration = calibrate_stream(model, source_model, batch)
+        scales, errors, stream_rms = calibration.write_scales, {}, calibration.stream_rms
+    else:
+        sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
+        scales, errors = calibrate_writes(model, sublayers, batch, source_sums(source_model, sources, batch))
+    changed = {name: tensor for name, tensor in model.state_dict().items() if not torch.equal(tensor, before[name])}
+    if stream_rms is not None:
+        prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
+        modules = list(dict.fromkeys(name.removeprefix(prefix).rsplit(".", 1)[0] for name in changed))
     update_tensors(folder=folder, tensors=changed)
     data = (
         f"the {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample"
@@ -83,13 +93,15 @@ def calibrate_checkpoint(
         f"calibrated the writes of {len(scales)} sublayers on {data} "
         f"(scales {min(scales.values()):.3g} to {max(scales.values()):.3g})"
         + (f", refitted {len(errors)} of them" if errors else "")
+        + (", folded the pre-LN gains into the layers reading them" if stream_rms is not None else "")
     )
     record = CalibrationRecord(
         data=data,
         write_scales=scales,
         refit_errors=errors,
         ridge=RIDGE if errors else None,
-        modules=list(sublayers.values()),
+        modules=modules,
+        stream_rms=stream_rms,
     )
     return record, set(changed)
 

@@ -10,11 +10,13 @@ from huggingface_hub import ModelCard
 from transformers import AutoTokenizer
 
 from ..checkpoint import TOKENIZER_FILES, check_output, copy_companion_files, output_folder
+from ..gguf import local_checkpoint
 from ..model import copy_remote_code
 from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers
 from .norm_mapping import norm_slots
 from .options import ConversionError, ConvertOptions
 from .plan import ConversionPlan, plan_conversion
+from .stream_calibration import calibrates_stream
 from .verification import Tolerance, Verification, load_plain, tolerance, verify_conversion
 from .weights import WeightsRecord, write_weights
 
@@ -73,26 +75,38 @@ class ConversionRecord:
 
 
 def convert_checkpoint(source: str, output: str, *, overwrite: bool = False, log=print, **options) -> dict:
-    """Converts SOURCE (folder or Hub id) to a NormSwap checkpoint in OUTPUT and returns the conversion report.
+    """Converts SOURCE (folder, Hub id or GGUF file) to a NormSwap checkpoint in OUTPUT and returns the conversion
+    report.
 
     `options` are the fields of `ConvertOptions`. `attention` defaults to bidirectional, or to the source's own for a
     NormSwap source. With `calibrate`, a swap that turns norms writing the residual stream into norms reading it has
     its sublayers' writes scaled and its output projections refitted against the source (see `convert.calibration`).
+    A GGUF file is read as a float32 checkpoint in a temporary folder that lasts the conversion.
     """
     options = ConvertOptions(**options)
     check_output(output=output, overwrite=overwrite)  # before a download
-    plan = plan_conversion(source=source, options=options)
+    with local_checkpoint(source, log=log) as folder:
+        plan = plan_conversion(source=folder, options=options)
+        plan.source = source  # as given, also for a GGUF file
+        record = _convert(plan, options, output=output, overwrite=overwrite, log=log)
+    log(f"wrote {output}")
+    return record
+
+
+def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, overwrite: bool, log) -> dict:
+    """Writes, calibrates, verifies and records the conversion `plan` in OUTPUT; returns the conversion report."""
     with output_folder(output=output, overwrite=overwrite) as staging:
         weights, tokenizer, target_config = _write(plan, staging)
-        sublayers = {}
-        if options.calibrate and not plan.exact_swap:
+        sublayers, calibrate = {}, options.calibrate and not plan.exact_swap
+        if calibrate:
             sublayers = calibrated_sublayers(
                 target=plan.target, norm_sources=plan.norm_sources, source_slots=norm_slots(plan.plain)
             )
+            calibrate = bool(sublayers) or calibrates_stream(plan.plain, plan.target)
         plain_model = None
-        if options.verify or sublayers:
+        if options.verify or calibrate:
             plain_model = load_plain(plain=plan.plain, head=plan.head, family=plan.family, files=plan.files)
-        calibration = _calibrate(plan, staging, plain_model, sublayers, weights, log) if sublayers else None
+        calibration = _calibrate(plan, staging, plain_model, sublayers, weights, log) if calibrate else None
         if options.verify:
             verification = verify_conversion(
                 plan=plan,
@@ -114,7 +128,6 @@ def convert_checkpoint(source: str, output: str, *, overwrite: bool = False, log
             verification=verification,
         ).to_dict()
         (staging / "conversion.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    log(f"wrote {output}")
     return record
 
 

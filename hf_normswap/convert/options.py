@@ -43,7 +43,8 @@ class ConvertOptions:
         default=True,
         metadata={
             "help": "scale sublayer writes and refit output projections against the source where norms that wrote "
-            "the residual stream come to read it (post -> pre, sandwich)"
+            "the residual stream come to read it (post -> pre, sandwich); scale writes and fold the norm gains "
+            "where norms come to write a stream they only read (pre -> post, pre_post, deepnorm)"
         },
     )
     attention: str | None = field(

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig
 
 from ..checkpoint import read_tensors, resolve_source, weight_files
+from ..gguf import local_checkpoint
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, local_name
 from ..probes.collapse import COLLAPSE_MARGIN, conversion_collapse
@@ -57,9 +58,11 @@ def tolerance() -> Tolerance:
     return Tolerance(last_hidden_state=HIDDEN_TOLERANCE, logits=LOGITS_TOLERANCE)
 
 
-def load_plain(plain: NormSwapConfig, head: str, family: Family, files: list[Path]) -> torch.nn.Module:
-    """The unswapped NormSwap model of the source's weight files, in float32."""
-    model = HEAD_CLASSES[head]._from_config(plain, dtype=torch.float32)
+def load_plain(
+    plain: NormSwapConfig, head: str, family: Family, files: list[Path], dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The unswapped NormSwap model of the source's weight files, in `dtype` (mapped in float32)."""
+    model = HEAD_CLASSES[head]._from_config(plain, dtype=dtype)
     expected = set(model.state_dict())
     state = {}
     for file in files:
@@ -67,20 +70,21 @@ def load_plain(plain: NormSwapConfig, head: str, family: Family, files: list[Pat
             for name, value in family.to_normswap(source_name, tensor.float(), head):
                 name = local_name(name=name, head=head)
                 if name in expected:
-                    state[name] = value
+                    state[name] = value.to(dtype)
     model.load_state_dict(state, strict=False)
     return model.eval()
 
 
-def load_unswapped(source: str, head: str = "base") -> torch.nn.Module:
-    """SOURCE (folder or Hub id of a BERT-, LLaMA-family or NormSwap checkpoint) as the unswapped NormSwap model with
-    `head`, in float32: the model every conversion of it is verified against."""
-    folder, _ = resolve_source(source)
-    try:
-        config = AutoConfig.from_pretrained(folder)
-        return load_plain(normswap_config(config), head, family_of(config), weight_files(folder))
-    except (OSError, ValueError, KeyError) as error:
-        raise ConversionError(f"{source}: cannot be loaded as NormSwap ({str(error).splitlines()[0]})") from None
+def load_unswapped(source: str, head: str = "base", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """SOURCE (folder, Hub id or GGUF file of a BERT-, LLaMA-family or NormSwap checkpoint) as the unswapped NormSwap
+    model with `head`, in `dtype`: the model every conversion of it is verified against (in float32)."""
+    with local_checkpoint(source) as local:  # a GGUF file: read into a temporary folder
+        folder, _ = resolve_source(local)
+        try:
+            config = AutoConfig.from_pretrained(folder)
+            return load_plain(normswap_config(config), head, family_of(config), weight_files(folder), dtype=dtype)
+        except (OSError, ValueError, KeyError) as error:
+            raise ConversionError(f"{source}: cannot be loaded as NormSwap ({str(error).splitlines()[0]})") from None
 
 
 def padding_id(pad_token_id: int | None, eos_token_id, vocab_size: int) -> int:
@@ -184,7 +188,10 @@ def _within_tolerance(distance: Distance) -> bool:
 def _swap_line(effect: dict) -> str:
     if effect["metric"] == "cosine_similarity":
         return f"swap effect: cosine similarity of hidden states before/after {effect['after']:.4f}"
-    return f"swap effect: {effect['metric']} {effect['before']:.4f} -> {effect['after']:.4f}"
+    line = f"swap effect: {effect['metric']} {effect['before']:.4f} -> {effect['after']:.4f}"
+    if "kl" in effect:
+        line += f"; KL to the source {effect['kl']:.3f} nats/token, top-1 agreement {effect['top1_agreement']:.3f}"
+    return line
 
 
 def _collapse_line(collapse: dict) -> str:

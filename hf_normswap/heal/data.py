@@ -1,9 +1,12 @@
-"""The text a healing trains and measures on: read from a GLUE task, a local file or the Hub, then tokenized."""
+"""The text a healing trains and measures on: read from a GLUE task, a local file or the Hub, then tokenized; or
+sampled from a causal-LM teacher."""
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from datasets import Dataset, load_dataset
+import torch
+from datasets import Dataset, IterableDataset, load_dataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from ..tasks import GLUE_TASKS, load_task
@@ -14,18 +17,25 @@ from .options import HealError, HealOptions
 class HealTexts:
     """The tokenized training rows with the collator that batches them, and the padded held-out batches."""
 
-    train: Dataset
+    train: Dataset | IterableDataset
     collator: DataCollatorWithPadding | DataCollatorForLanguageModeling
     held_out: list[dict]
     held_out_rows: int
     columns: list[str]
 
 
-def heal_texts(*, options: HealOptions, tokenizer) -> HealTexts:
+def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> HealTexts:
     """The options' data, tokenized; at most `eval_size` held-out rows, in batches of `batch_size`. With the `mlm`
-    objective, training batches have 15% of their tokens masked."""
-    train, held_out, columns = load_texts(options.data, text_column=options.text_column, data_dir=options.data_dir)
-    train = _tokenize(train, columns, tokenizer, options.max_length, options.data)
+    objective, training batches have 15% of their tokens masked. With `data="teacher"`, the training text is sampled
+    from the teacher and the held-out text is the SST-2 sample's."""
+    sampled = options.data == "teacher"
+    train, held_out, columns = load_texts(
+        "sst2-sample" if sampled else options.data, text_column=options.text_column, data_dir=options.data_dir
+    )
+    if sampled:
+        train = teacher_samples(teacher, tokenizer, options)
+    else:
+        train = _tokenize(train, columns, tokenizer, options.max_length, options.data)
     held_out = held_out.select(range(min(options.eval_size, len(held_out))))
     held_out = _tokenize(held_out, columns, tokenizer, options.max_length, options.data)
     pad = DataCollatorWithPadding(tokenizer)
@@ -95,3 +105,36 @@ def _tokenize(rows: Dataset, columns: list[str], tokenizer, max_length: int, nam
     if len(encoded) == 0:
         raise HealError(f"{name}: the text holds no tokens")
     return encoded.remove_columns("special_tokens_mask")
+
+
+def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> Dataset | IterableDataset:
+    """Texts of `sample_length` tokens sampled from the teacher at `sample_temperature`, each started from BOS
+    (else EOS): `sample_count` of them sampled once, or else an endless stream, a new text every time."""
+    if not callable(getattr(teacher, "generate", None)):
+        raise HealError(f"--data teacher needs a teacher that generates (a causal LM); {options.teacher} does not")
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise HealError("--data teacher needs a tokenizer with a BOS or EOS token to start each text from")
+
+    def rows(first_batch: int = 0):
+        for batch in itertools.count(first_batch):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(batch)
+                starts = torch.full((options.batch_size, 1), start, device=teacher.device)
+                ids = teacher.generate(
+                    starts,
+                    attention_mask=torch.ones_like(starts),
+                    do_sample=True,
+                    temperature=options.sample_temperature,
+                    top_k=0,
+                    top_p=1.0,
+                    min_new_tokens=options.sample_length - 1,
+                    max_new_tokens=options.sample_length - 1,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            for row in ids.tolist():
+                yield {"input_ids": row, "attention_mask": [1] * len(row)}
+
+    if options.sample_count is None:
+        return IterableDataset.from_generator(rows)
+    return Dataset.from_list(list(itertools.islice(rows(), options.sample_count)))

@@ -9,6 +9,7 @@ measured on all-MiniLM-L6-v2 (post -> pre): docs/experiments/healing.md.
 import json
 import shutil
 import time
+from collections.abc import Sized
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,12 +17,15 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import check_output, copy_companion_files, output_folder
 from ..model import copy_remote_code
+from ..model.heads import head_of_config
 from ..probes.collapse import collapse_of_states
+from ..probes.next_token import greedy_agreement, greedy_prompts, next_token_agreement
 from .data import HealTexts, heal_texts
+from .gradual_swap import GradualSwap, recorded_stream_rms
 from .measure import masked_lm_loss, measure, teacher_states
-from .models import HealModels, load_models
+from .models import HealModels, load_models, memory_settings
 from .options import HealOptions
-from .report import HealData, HealReport, MaskedLMLoss, plot_history
+from .report import HealData, HealReport, MaskedLMLoss, NextTokenAgreement, plot_history
 from .trainer import HealProbeCallback, HealTrainer, training_arguments
 
 
@@ -36,11 +40,14 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     options = HealOptions(**options)
     check_output(output, overwrite)
     models = load_models(variant, options)
+    options = options.for_head(head_of_config(models.student.config))
     tokenizer = AutoTokenizer.from_pretrained(variant)
-    texts = heal_texts(options=options, tokenizer=tokenizer)
+    texts = heal_texts(options=options, tokenizer=tokenizer, teacher=models.teacher)
     with output_folder(output, overwrite) as staging:
         work = Path(options.checkpoint_dir) if options.checkpoint_dir else staging / "trainer"
-        report = _heal(models, texts=texts, tokenizer=tokenizer, options=options, work=work, quiet=log is None)
+        report = _heal(
+            models, texts=texts, tokenizer=tokenizer, options=options, work=work, quiet=log is None, variant=variant
+        )
         _save(models, source=Path(variant), staging=staging, report=report)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
     if options.checkpoint_dir:
@@ -52,15 +59,24 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
 
 
 def _heal(
-    models: HealModels, texts: HealTexts, tokenizer, options: HealOptions, work: Path, quiet: bool
+    models: HealModels, texts: HealTexts, tokenizer, options: HealOptions, work: Path, quiet: bool, variant: str
 ) -> HealReport:
     """Trains the student, measured on the held-out batches before, every fifth of the way and after."""
     teacher = teacher_states(models.teacher, texts.held_out)
     before = measure(models.student, texts.held_out, teacher)
     masked_lm_before = masked_lm_loss(models.student, texts.held_out, tokenizer) if models.masked_lm else None
+    causal = head_of_config(models.student.config) == "causal-lm"
+    prompts = greedy_prompts(texts.held_out, tokenizer) if causal else None
+    next_token_before = _next_token(models, texts.held_out, prompts) if causal else None
     probe = HealProbeCallback(texts.held_out, teacher, every=max(1, options.max_steps // 5))
     probe.history.append({"step": 0, **before[-1]})
-    log_history, seconds, resumed = _train(models, texts=texts, options=options, probe=probe, work=work, quiet=quiet)
+    callbacks = [probe]
+    if options.swap_schedule != "direct":
+        stream_rms = recorded_stream_rms(Path(variant), options.swap_schedule)
+        callbacks.append(GradualSwap(models.student, stream_rms, options.swap_schedule, options.max_steps))
+    log_history, seconds, resumed = _train(models, texts, options, callbacks=callbacks, work=work, quiet=quiet)
+    for callback in callbacks[1:]:
+        callback.remove()  # every gate is open by now
     after = measure(models.student, texts.held_out, teacher)
     probe.history.append({"step": options.max_steps, **after[-1]})
     masked_lm = None
@@ -70,10 +86,13 @@ def _heal(
             before=masked_lm_before,
             after=masked_lm_loss(models.student, texts.held_out, tokenizer),
         )
+    next_token = None
+    if causal:
+        next_token = NextTokenAgreement(before=next_token_before, after=_next_token(models, texts.held_out, prompts))
     data = HealData(
         name=options.data,
         text_columns=texts.columns,
-        train_rows=len(texts.train),
+        train_rows=len(texts.train) if isinstance(texts.train, Sized) else None,
         held_out_rows=texts.held_out_rows,
     )
     return HealReport(
@@ -87,19 +106,29 @@ def _heal(
         packing=options.packing,
         dropout=options.dropout,
         freeze_embeddings=options.freeze_embeddings,
+        swap_schedule=options.swap_schedule,
         seconds=seconds,
         resumed=resumed,
         teacher_collapse=collapse_of_states(teacher, [batch["attention_mask"] for batch in texts.held_out]),
         masked_lm_loss=masked_lm,
+        next_token=next_token,
         before=before,
         after=after,
         history=probe.history,
         log_history=log_history,
+        **memory_settings(options),
     )
 
 
+def _next_token(models: HealModels, batches: list[dict], prompts: dict) -> dict:
+    """The student's next-token KL and top-1 agreement to the teacher on `batches`, and its greedy agreement from
+    `prompts`."""
+    agreement = next_token_agreement(models.teacher, models.student, batches)
+    return agreement | {"greedy_agreement": greedy_agreement(models.teacher, models.student, prompts)}
+
+
 def _train(
-    models: HealModels, texts: HealTexts, options: HealOptions, probe: HealProbeCallback, work: Path, quiet: bool
+    models: HealModels, texts: HealTexts, options: HealOptions, callbacks: list, work: Path, quiet: bool
 ) -> tuple[list[dict], float, bool]:
     """Trains the student towards the teacher, resuming from a checkpoint in `checkpoint_dir` if there is one;
     returns the Trainer's log, the seconds it trained and whether it resumed."""
@@ -111,7 +140,7 @@ def _train(
         teacher=models.teacher,
         objective=options.objective,
         packing=options.packing,
-        callbacks=[probe],
+        callbacks=callbacks,
     )
     resumed = options.checkpoint_dir is not None and any(work.glob("checkpoint-*"))
     started = time.perf_counter()
@@ -120,15 +149,16 @@ def _train(
 
 
 def _save(models: HealModels, source: Path, staging: Path, report: HealReport) -> None:
-    """The healed student with its configured dropout (without the weights the variant initialises at load), its
-    code, tokenizer and sentence-transformers modules, conversion.json (lineage included) with the healing added,
-    heal.json and heal.png."""
+    """The healed student (its adapters merged in) with its configured dropout (without the weights the variant
+    initialises at load), its code, tokenizer and sentence-transformers modules, conversion.json (lineage included)
+    with the healing added, heal.json and heal.png."""
     record = source / "conversion.json"
     conversion = json.loads(record.read_text()) if record.exists() else None
     at_load = set(conversion["weights"]["initialized_at_load"]) if conversion else set()
-    models.student.config.update(models.configured_dropout)
-    state = {name: tensor for name, tensor in models.student.state_dict().items() if name not in at_load}
-    models.student.save_pretrained(staging, state_dict=state)
+    student = models.healed_student()
+    student.config.update(models.configured_dropout)
+    state = {name: tensor for name, tensor in student.state_dict().items() if name not in at_load}
+    student.save_pretrained(staging, state_dict=state)
     copy_remote_code(staging)
     copy_companion_files(source, staging)
     if conversion:

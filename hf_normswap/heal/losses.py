@@ -10,11 +10,14 @@ compared after a parameter-free layer norm; the final outputs are compared as th
   cosine similarities of first-token and of mean-pooled states (similarity-preserving distillation, Tung and Mori
   2019): what differs between inputs has to come back, not only their common direction;
 - `mlm`: `similarity`, plus the KL divergence of the masked-LM predictions on masked tokens (both need a masked-LM
-  head).
+  head);
+- `kl`: `hidden`, plus the KL divergence of the next-token distributions at every real token (both need a causal-LM
+  head): a language model's function is its next-token distribution.
 """
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..probes.collapse import POOLINGS, pool
 
@@ -50,6 +53,36 @@ def masked_lm_distillation(student: torch.Tensor, teacher: torch.Tensor, labels:
         log_target=True,
         reduction="batchmean",
     )
+
+
+TOKENS_PER_CHUNK = 256  # next-token logits held at once: 256 x a 49k vocabulary is 50 MB in float32
+
+
+def next_token_kl(
+    student: torch.nn.Module, teacher: torch.nn.Module, states: torch.Tensor, teacher_states: torch.Tensor
+):
+    """The mean over rows of KL(teacher || student) of the next-token distributions that the two causal LMs' heads
+    give the final states (rows, hidden). Computed `TOKENS_PER_CHUNK` rows at a time, each chunk's logits recomputed
+    in the backward pass, so that memory holds one chunk's logits whatever the vocabulary."""
+    total = states.new_zeros((), dtype=torch.float32)
+    for rows, teacher_rows in zip(states.split(TOKENS_PER_CHUNK), teacher_states.split(TOKENS_PER_CHUNK)):
+        total = total + checkpoint(_chunk_kl, student, teacher, rows, teacher_rows, use_reentrant=False)
+    return total / max(1, len(states))
+
+
+def token_log_probs(model: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """The causal LM's next-token log-probabilities (float32) for final states, as its head computes them."""
+    logits = model.get_output_embeddings()(states)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return F.log_softmax(logits.float(), -1)
+
+
+def _chunk_kl(student, teacher, rows: torch.Tensor, teacher_rows: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        target = token_log_probs(teacher, teacher_rows)
+    return F.kl_div(token_log_probs(student, rows), target, log_target=True, reduction="sum")
 
 
 def _normalised(states: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,12 @@ The teacher is the source as NormSwap without a swap (the model conversions are 
 on padding-free batches with the student. The student trains without dropout unless asked: it is matching a
 deterministic function, and dropout's noise costs more of it than it regularises (measured). Its embeddings stay
 frozen unless asked: a swap moves norms, not the lexicon, and a text sample reaches only the embeddings of its own
-tokens.
+tokens. In bfloat16, the student's trainable norms stay in float32: bfloat16 spaces numbers near 1 by 0.004 to 0.008,
+so a norm weight's steps (about the learning rate) would round away (measured: they did not move at all).
 """
 
 import json
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,24 +17,36 @@ import torch
 from transformers import AutoConfig
 
 from ..convert import ConversionError, load_unswapped
+from ..gguf import is_gguf
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, head_of_config
+from ..model.norms_normswap import NormSwapDyT, NormSwapRMSNorm
+from .lora import merged, with_adapters
 from .options import HealError, HealOptions
 
 
 DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "classifier_dropout")
+NORM_CLASSES = (torch.nn.LayerNorm, NormSwapRMSNorm, NormSwapDyT)
+LANGUAGE_OBJECTIVES = {"mlm": "masked-lm", "kl": "causal-lm"}  # objective -> the head student and teacher need
 SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")  # where student and teacher must agree
 
 
 @dataclass
 class HealModels:
-    """Student and teacher in float32; `masked_lm` when both have a masked-LM head (its loss is measured then)."""
+    """Student (a PEFT model with `lora`) and teacher in the options' dtype; `masked_lm` when both have a masked-LM
+    head (its loss is measured then)."""
 
     student: torch.nn.Module
     configured_dropout: dict  # the student's configuration's dropout, saved with it whatever it trained with
     teacher: torch.nn.Module
     teacher_id: str
     masked_lm: bool
+    dtype: torch.dtype
+
+    def healed_student(self) -> torch.nn.Module:
+        """The student as a plain NormSwap model in the dtype it was loaded in: its adapters, if it has any, merged
+        into its weights."""
+        return merged(self.student).to(self.dtype)
 
 
 def load_models(variant: str, options: HealOptions) -> HealModels:
@@ -42,12 +56,16 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
     if not (folder / "config.json").exists():
         raise HealError(f"{variant}: not a checkpoint folder (no config.json)")
     teacher_id = resolve_teacher(folder, options.teacher)
-    student, configured_dropout = _load_student(folder, dropout=options.dropout)
-    student.base_model.embeddings.requires_grad_(not options.freeze_embeddings)
+    dtype = getattr(torch, options.dtype)
+    student, configured_dropout = _load_student(folder, options)
     head = head_of_config(student.config)
-    if options.objective == "mlm" and head != "masked-lm":
-        raise HealError(f"objective='mlm' needs a masked-LM student; {variant} has the {head!r} head")
-    teacher, masked_lm = _load_teacher(teacher_id, student_head=head, objective=options.objective)
+    options = options.for_head(head)
+    if options.objective in LANGUAGE_OBJECTIVES and head != LANGUAGE_OBJECTIVES[options.objective]:
+        needed = LANGUAGE_OBJECTIVES[options.objective].replace("-lm", "-LM")
+        raise HealError(f"objective={options.objective!r} needs a {needed} student; {variant} has the {head!r} head")
+    if options.data == "teacher" and head != "causal-lm":
+        raise HealError(f"--data teacher needs a causal-LM teacher that generates; {variant} has the {head!r} head")
+    teacher, masked_lm = _load_teacher(teacher_id, student_head=head, objective=options.objective, dtype=dtype)
     for field in SHARED_FIELDS:
         ours, theirs = getattr(student.config, field), getattr(teacher.config, field, None)
         if ours != theirs:
@@ -58,7 +76,13 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
         teacher=teacher,
         teacher_id=teacher_id,
         masked_lm=masked_lm,
+        dtype=dtype,
     )
+
+
+def memory_settings(options: HealOptions) -> dict:
+    """The settings that decide how much memory the two models take, as heal.json records them."""
+    return {"lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "dtype": options.dtype}
 
 
 def resolve_teacher(variant: Path, teacher: str | None) -> str:
@@ -71,28 +95,65 @@ def resolve_teacher(variant: Path, teacher: str | None) -> str:
     return json.loads(record.read_text())["source"]["id"]
 
 
-def _load_student(folder: Path, dropout: bool) -> tuple[torch.nn.Module, dict]:
-    """The variant with its own head class in float32 (without dropout unless `dropout`), and its configured dropout;
-    refused if it is not a NormSwap checkpoint."""
+def _load_student(folder: Path, options: HealOptions) -> tuple[torch.nn.Module, dict]:
+    """The variant with its own head class in the options' dtype (its trainable norms in float32), without dropout
+    unless `dropout`, its embeddings frozen with `freeze_embeddings`, with adapters with `lora`; and its configured
+    dropout. Refused if it is not a NormSwap checkpoint."""
     try:
         config = NormSwapConfig.from_pretrained(folder)
     except (OSError, ValueError) as error:
         raise HealError(f"{folder}: not a NormSwap checkpoint ({str(error).splitlines()[0]})") from None
     configured = {field: getattr(config, field) for field in DROPOUT_FIELDS}
-    off = {} if dropout else {field: 0.0 for field, value in configured.items() if value is not None}
-    return HEAD_CLASSES[head_of_config(config)].from_pretrained(folder, dtype=torch.float32, **off), configured
+    off = {} if options.dropout else {field: 0.0 for field, value in configured.items() if value is not None}
+    student = HEAD_CLASSES[head_of_config(config)].from_pretrained(folder, dtype=getattr(torch, options.dtype), **off)
+    embeddings = student.base_model.embeddings
+    embeddings.requires_grad_(not options.freeze_embeddings)
+    norms = {
+        name: module
+        for name, module in student.named_modules()
+        if isinstance(module, NORM_CLASSES) and module.weight.requires_grad
+    }
+    if options.dtype != "float32":
+        _in_float32(norms.values())
+    if options.lora:
+        student = with_adapters(student, rank=options.lora_rank, norms=list(norms))
+        if options.freeze_embeddings:  # PEFT picks modules_to_save by suffix: `norm` picks `embeddings.norm` too
+            embeddings.requires_grad_(False)
+    return student, configured
 
 
-def _load_teacher(teacher_id: str, student_head: str, objective: str) -> tuple[torch.nn.Module, bool]:
-    """The unswapped source, with the masked-LM head where student and source both have one (and whether they do)."""
+def _in_float32(norms) -> None:
+    """Keeps `norms` in float32 inside a lower-precision model: each computes in its weights' dtype and hands its
+    output back in its input's (by its own forward, so that hooks on it see both as they are)."""
+    for norm in norms:
+        norm.float()
+        norm.forward = types.MethodType(_forward_in_weight_dtype, norm)
+
+
+def _forward_in_weight_dtype(norm: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return type(norm).forward(norm, hidden_states.to(norm.weight.dtype)).to(hidden_states.dtype)
+
+
+def _load_teacher(
+    teacher_id: str, student_head: str, objective: str, dtype: torch.dtype
+) -> tuple[torch.nn.Module, bool]:
+    """The unswapped source, with the language-model head (masked or causal) where student and source both have it,
+    and whether they have a masked-LM head."""
     try:
-        masked_lm = (
-            student_head == "masked-lm" and head_of_config(AutoConfig.from_pretrained(teacher_id)) == "masked-lm"
-        )
-        if objective == "mlm" and not masked_lm:
-            raise HealError(f"objective='mlm' needs a masked-LM teacher; {teacher_id} has none")
-        return load_unswapped(teacher_id, head="masked-lm" if masked_lm else "base"), masked_lm
+        same_head = student_head in ("masked-lm", "causal-lm") and _head_of(teacher_id) == student_head
+        if objective in LANGUAGE_OBJECTIVES and not same_head:
+            needed = student_head.replace("-lm", "-LM")
+            raise HealError(f"objective={objective!r} needs a {needed} teacher; {teacher_id} has none")
+        teacher = load_unswapped(teacher_id, head=student_head if same_head else "base", dtype=dtype)
+        return teacher, same_head and student_head == "masked-lm"
     except ConversionError as error:
         raise HealError(f"teacher {error}") from None
     except (OSError, ValueError) as error:
         raise HealError(f"teacher {teacher_id}: cannot be loaded ({str(error).splitlines()[0]})") from None
+
+
+def _head_of(teacher_id: str) -> str:
+    """The head of the checkpoint (or GGUF file) TEACHER_ID."""
+    if is_gguf(teacher_id):  # Transformers reads a GGUF file as a causal LM (`convert` does too)
+        return "causal-lm"
+    return head_of_config(AutoConfig.from_pretrained(teacher_id))

@@ -1,10 +1,38 @@
 """How `heal` trains: one declaration for the Python keywords, the CLI, the experiment's `heal:` section and the
 checks."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
-OBJECTIVES = ("hidden", "cka", "similarity", "mlm")
+OBJECTIVES = ("hidden", "cka", "similarity", "mlm", "kl")
+SWAP_SCHEDULES = ("direct", "gate", "layers")
+DTYPES = ("float32", "bfloat16")
+
+
+# What a healing takes where an option is left open, by the student's head (a causal LM, or any other); chosen by
+# measurement: docs/experiments/healing.md.
+HEAD_DEFAULTS = {
+    "causal-lm": {
+        "objective": "kl",
+        "data": "teacher",
+        "max_steps": 100,
+        "learning_rate": 1e-4,
+        "batch_size": 8,
+    },
+    "other": {
+        "objective": "similarity",
+        "data": "sst2-sample",
+        "max_steps": 700,
+        "learning_rate": 5e-4,
+        "batch_size": 32,
+    },
+}
+
+
+def _by_head(field: str) -> str:
+    """The help text's default of a field that `HEAD_DEFAULTS` sets."""
+    causal, other = HEAD_DEFAULTS["causal-lm"][field], HEAD_DEFAULTS["other"][field]
+    return f"default: {other} ({causal} for a causal-LM student)"
 
 
 class HealError(ValueError):
@@ -22,9 +50,13 @@ class HealOptions:
             "VARIANT's conversion.json"
         },
     )
-    data: str = field(
-        default="sst2-sample",
-        metadata={"help": "sst2-sample, a GLUE task name, a .txt / .csv / .jsonl file, or a datasets hub id"},
+    data: str | None = field(
+        default=None,
+        metadata={
+            "help": "sst2-sample, a GLUE task name, a .txt / .csv / .jsonl file, a datasets hub id, or teacher (text "
+            "sampled from a causal-LM teacher; held-out text: the SST-2 sample); default: teacher for a causal-LM "
+            "student, else sst2-sample"
+        },
     )
     text_column: str | None = field(
         default=None, metadata={"help": "the text column of a CSV / JSON-lines file or hub dataset (default: text)"}
@@ -32,10 +64,35 @@ class HealOptions:
     data_dir: str | None = field(
         default=None, metadata={"help": "folder holding GLUE TASK/train.jsonl and TASK/validation.jsonl"}
     )
-    objective: str = field(default="similarity", metadata={"choices": OBJECTIVES, "help": "what the student matches"})
-    max_steps: int = field(default=700, metadata={"help": "training steps"})
-    learning_rate: float = field(default=5e-4, metadata={"help": "peak learning rate (10% warm-up, linear decay)"})
-    batch_size: int = field(default=32, metadata={"help": "texts per step"})
+    objective: str | None = field(
+        default=None,
+        metadata={
+            "choices": OBJECTIVES,
+            "help": "what the student matches; default: kl for a causal-LM student, else similarity",
+        },
+    )
+    swap_schedule: str = field(
+        default="direct",
+        metadata={
+            "choices": SWAP_SCHEDULES,
+            "help": "out of pre-LN: start from the source's function and move to the target placement over the first "
+            "half of the steps, all layers at once (gate) or one layer after another (layers); direct: at once",
+        },
+    )
+    sample_temperature: float = field(default=1.0, metadata={"help": "with --data teacher: the sampling temperature"})
+    sample_length: int = field(default=64, metadata={"help": "with --data teacher: tokens per sampled text"})
+    sample_count: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --data teacher: sample this many texts once and repeat them; default: a new text every time"
+        },
+    )
+    max_steps: int | None = field(default=None, metadata={"help": f"training steps; {_by_head('max_steps')}"})
+    learning_rate: float | None = field(
+        default=None,
+        metadata={"help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}"},
+    )
+    batch_size: int | None = field(default=None, metadata={"help": f"texts per step; {_by_head('batch_size')}"})
     max_length: int = field(default=128, metadata={"help": "tokens per text at most"})
     eval_size: int = field(default=256, metadata={"help": "held-out texts measured before, during and after"})
     checkpoint_dir: str | None = field(
@@ -46,12 +103,40 @@ class HealOptions:
         default=False, metadata={"help": "train the student with its configured dropout (the saved config keeps it)"}
     )
     freeze_embeddings: bool = field(default=True, metadata={"help": "keep the student's embeddings as converted"})
+    lora: bool = field(
+        default=False,
+        metadata={
+            "help": "train low-rank adapters (PEFT) on the student's linear layers, and its norms, and merge them "
+            "into the saved checkpoint"
+        },
+    )
+    lora_rank: int = field(default=16, metadata={"help": "with --lora: the adapters' rank (their scale is 1)"})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "choices": DTYPES,
+            "help": "the dtype student and teacher are loaded and trained in; the student saves in it",
+        },
+    )
 
     def __post_init__(self):
-        if self.objective not in OBJECTIVES:
+        if self.objective not in (None, *OBJECTIVES):
             raise HealError(f"objective={self.objective!r} is invalid: allowed are {list(OBJECTIVES)}")
-        if not isinstance(self.max_steps, int) or self.max_steps < 1:
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise HealError(f"max_steps={self.max_steps!r} is invalid: at least 1")
-        for name in ("learning_rate", "batch_size", "max_length", "eval_size"):
-            if not getattr(self, name) > 0:
+        if self.swap_schedule not in SWAP_SCHEDULES:
+            raise HealError(f"swap_schedule={self.swap_schedule!r} is invalid: allowed are {list(SWAP_SCHEDULES)}")
+        if self.sample_count is not None and self.sample_count < 1:
+            raise HealError(f"sample_count={self.sample_count!r} is invalid: at least 1, or none for a stream")
+        for name in ("learning_rate", "batch_size", "max_length", "eval_size", "sample_temperature", "sample_length"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise HealError(f"{name}={getattr(self, name)!r} is invalid: must be positive")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+            raise HealError(f"lora_rank={self.lora_rank!r} is invalid: at least 1")
+        if self.dtype not in DTYPES:
+            raise HealError(f"dtype={self.dtype!r} is invalid: allowed are {list(DTYPES)}")
+
+    def for_head(self, head: str) -> "HealOptions":
+        """These options with those left open set by `HEAD_DEFAULTS` for a student with `head`."""
+        defaults = HEAD_DEFAULTS["causal-lm" if head == "causal-lm" else "other"]
+        return replace(self, **{name: value for name, value in defaults.items() if getattr(self, name) is None})

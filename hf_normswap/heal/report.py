@@ -6,7 +6,15 @@ from pathlib import Path
 from ..probes.collapse import POOLINGS
 
 
-LINEAGE_KEYS = ("teacher", "data", "objective", "steps", "learning_rate", "seconds")  # copied into conversion.json
+LINEAGE_KEYS = (
+    "teacher",
+    "data",
+    "objective",
+    "steps",
+    "learning_rate",
+    "seconds",
+    "next_token",
+)  # copied into conversion.json
 
 
 @dataclass
@@ -15,7 +23,7 @@ class HealData:
 
     name: str
     text_columns: list[str]
-    train_rows: int
+    train_rows: int | None  # None: a stream sampled from the teacher
     held_out_rows: int
 
 
@@ -27,6 +35,15 @@ class MaskedLMLoss:
     teacher: float
     before: float
     after: float
+
+
+@dataclass
+class NextTokenAgreement:
+    """A causal LM's distance to the teacher on the held-out text, before and after: KL of next-token distributions
+    (nats per token), top-1 agreement, and greedy agreement (32 tokens from the first 8 tokens of 32 texts)."""
+
+    before: dict
+    after: dict
 
 
 @dataclass
@@ -44,14 +61,19 @@ class HealReport:
     packing: bool
     dropout: bool
     freeze_embeddings: bool
+    swap_schedule: str
     seconds: float
     resumed: bool
     teacher_collapse: dict
     masked_lm_loss: MaskedLMLoss | None
+    next_token: NextTokenAgreement | None
     before: list[dict]
     after: list[dict]
     history: list[dict]
     log_history: list[dict]
+    lora: bool = False
+    lora_rank: int | None = None  # with lora
+    dtype: str = "float32"
 
     def lineage(self) -> dict:
         """The healing as conversion.json records it: the settings, and the final output's figures."""
@@ -61,11 +83,19 @@ class HealReport:
     def summary(self) -> str:
         """One line: the token cosine to the teacher and the first-token collapse, before -> after."""
         before, after = self.before[-1], self.after[-1]
-        return (
+        line = (
             f"healed in {self.seconds:.0f} s: token cosine to the teacher {before['token_cosine']:.4f} -> "
             f"{after['token_cosine']:.4f}, first-token collapse {before['collapse_first_token']:.4f} -> "
             f"{after['collapse_first_token']:.4f} (teacher {self.teacher_collapse['first_token'][-1]:.4f})"
         )
+        if self.next_token:
+            before, after = self.next_token.before, self.next_token.after
+            line += (
+                f"; next-token KL {before['kl']:.3f} -> {after['kl']:.3f} nats/token, top-1 agreement "
+                f"{before['top1_agreement']:.3f} -> {after['top1_agreement']:.3f}, greedy agreement "
+                f"{before['greedy_agreement']:.3f} -> {after['greedy_agreement']:.3f}"
+            )
+        return line
 
 
 def plot_history(report: HealReport, path: Path) -> None:

@@ -7,7 +7,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..model.packing import pack_padded, unpack
-from .losses import heal_loss, masked_lm_distillation
+from .losses import heal_loss, masked_lm_distillation, next_token_kl
 from .measure import measure
 from .options import HealOptions
 
@@ -26,19 +26,27 @@ class HealTrainer(Trainer):
         labels = inputs.pop("labels", None)
         packed, index = pack_padded(inputs) if self.packing else (inputs, None)
         packed = {key: value.to(self.args.device) for key, value in packed.items()}
+        # a causal LM's logits are computed from its final states, a chunk at a time (`next_token_kl`)
+        keep = {"logits_to_keep": 1} if self.objective == "kl" else {}
         with torch.no_grad():
-            teacher = _outputs(self.teacher, packed, index, token_logits=labels is not None)
-        student = _outputs(model, packed, index, token_logits=labels is not None)
-        loss = heal_loss(self.objective, student.hidden_states, teacher.hidden_states, inputs["attention_mask"])
+            teacher = _outputs(self.teacher, packed, index, token_logits=labels is not None, **keep)
+        student = _outputs(model, packed, index, token_logits=labels is not None, **keep)
+        mask = inputs["attention_mask"]
+        objective = "hidden" if self.objective == "kl" else self.objective
+        loss = heal_loss(objective, student.hidden_states, teacher.hidden_states, mask)
         if labels is not None:  # masked-LM distillation on the masked tokens
             loss = loss + masked_lm_distillation(student.logits, teacher.logits, labels=labels)
+        if self.objective == "kl":
+            real = mask.bool().to(self.args.device)
+            final, teacher_final = student.hidden_states[-1][real], teacher.hidden_states[-1][real]
+            loss = loss + next_token_kl(model, self.teacher, final, teacher_final)
         return (loss, student) if return_outputs else loss
 
 
-def _outputs(model: torch.nn.Module, batch: dict, index: torch.Tensor | None, token_logits: bool):
+def _outputs(model: torch.nn.Module, batch: dict, index: torch.Tensor | None, token_logits: bool, **kwargs):
     """The model's outputs on `batch`; for a packed batch (`index` from `pack_padded`), its hidden states (and
     per-token logits) laid back out as the padded batch."""
-    outputs = model(**batch, output_hidden_states=True)
+    outputs = model(**batch, output_hidden_states=True, **kwargs)
     if index is not None:
         outputs.hidden_states = tuple(unpack(states, index) for states in outputs.hidden_states)
         if token_logits:

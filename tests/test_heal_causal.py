@@ -1,0 +1,198 @@
+"""Out of pre-LN: calibrated conversions into post, pre_post and DeepNorm, and healing a causal LM by its next-token
+distribution (KL objective, text sampled from the teacher, gradual swaps)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from hf_normswap import convert_checkpoint, heal_checkpoint
+from hf_normswap.cli import main as cli
+from hf_normswap.convert import load_unswapped
+from hf_normswap.convert.stream_calibration import calibrate_stream
+from hf_normswap.heal import HealError, HealOptions, losses
+from hf_normswap.heal.data import teacher_samples
+from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
+from hf_normswap.hub.card import build_card
+from hf_normswap.model.heads import HEAD_CLASSES
+
+from helpers import save_source
+
+
+QUIET = dict(log=lambda line: None)
+HEAL = dict(max_steps=16, learning_rate=1e-3, batch_size=8, eval_size=16, log=None)
+PLACEMENTS = ("post", "pre_post", "deepnorm")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny pre-LN LLaMA with a tokenizer, its calibrated and uncalibrated post-LN conversions."""
+    folder = tmp_path_factory.mktemp("causal")
+    save_source(folder / "llama", "llama", "ForCausalLM", initializer_range=0.2)
+    for placement in PLACEMENTS:
+        convert_checkpoint(
+            str(folder / "llama"), str(folder / placement), norm_placement=placement, attention="causal", **QUIET
+        )
+    convert_checkpoint(
+        str(folder / "llama"),
+        str(folder / "post-shifted"),
+        norm_placement="post",
+        attention="causal",
+        calibrate=False,
+        **QUIET,
+    )
+    return folder
+
+
+def _logits(model, input_ids):
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_stream_calibration_exact_when_every_token_has_the_calibrated_rms(llama, placement, tmp_path):
+    # One token per sequence, all the same: every token's stream RMS is the median the scales are fitted to.
+    source = load_unswapped(str(llama / "llama"), head="causal-lm")
+    convert_checkpoint(
+        str(llama / "llama"), str(tmp_path / "shifted"), norm_placement=placement, attention="causal", calibrate=False
+    )
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "shifted").eval()
+    batch = {"input_ids": torch.full((4, 1), 7), "attention_mask": torch.ones(4, 1, dtype=torch.long)}
+    record = calibrate_stream(model, source, batch)
+    assert len(record.stream_rms) == 2 * 2 + 1 and len(record.write_scales) == 4
+    expected = _logits(source, batch["input_ids"])
+    assert (_logits(model, batch["input_ids"]) - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("placement", ["post", "pre_post"])
+def test_stream_calibration_folds_layernorm_biases_exactly(tmp_path, placement):
+    # GPT-2: LayerNorm with biases, folded into q/k/v and the feed-forward's first layer (post), or kept (pre_post).
+    save_source(tmp_path / "gpt2", "gpt2", "LMHeadModel", initializer_range=0.2)  # norms eps far below the variance
+    convert_checkpoint(
+        str(tmp_path / "gpt2"),
+        str(tmp_path / "shifted"),
+        norm_placement=placement,
+        attention="causal",
+        calibrate=False,
+    )
+    source = load_unswapped(str(tmp_path / "gpt2"), head="causal-lm")
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "shifted").eval()
+    batch = {"input_ids": torch.full((3, 1), 11), "attention_mask": torch.ones(3, 1, dtype=torch.long)}
+    calibrate_stream(model, source, batch)
+    expected = _logits(source, batch["input_ids"])
+    assert (_logits(model, batch["input_ids"]) - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_calibrated_conversion_recorded_and_closer_than_shifted_norms(llama):
+    calibrated = json.loads((llama / "post" / "conversion.json").read_text())
+    shifted = json.loads((llama / "post-shifted" / "conversion.json").read_text())
+    assert shifted["calibration"] is None
+    assert len(calibrated["calibration"]["stream_rms"]) == 5
+    assert all(scale > 0 for scale in calibrated["calibration"]["write_scales"].values())
+    effect, before = calibrated["swap_effect"], shifted["swap_effect"]
+    assert effect["metric"] == "perplexity" and 0 <= effect["top1_agreement"] <= 1
+    assert effect["kl"] < 0.5 * before["kl"] and effect["top1_agreement"] > before["top1_agreement"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_gradual_swap_starts_at_the_source_and_ends_at_the_target(llama, placement):
+    source = load_unswapped(str(llama / "llama"), head="causal-lm")
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / placement).eval()
+    input_ids = torch.randint(4, 60, (3, 12), generator=torch.Generator().manual_seed(0))
+    target = _logits(model, input_ids)
+    swap = GradualSwap(model, recorded_stream_rms(llama / placement, "layers"), "layers", max_steps=8)
+    swap.set_step(0)
+    expected = _logits(source, input_ids)
+    assert (_logits(model, input_ids) - expected).abs().max() <= 1e-4 * expected.abs().max()
+    swap.set_step(1)  # layers: half of layer 0 open, layer 1 closed
+    assert swap.gates.tolist() == [0.5, 0.5, 0.0, 0.0]
+    swap.set_step(4)
+    assert torch.allclose(_logits(model, input_ids), target)
+    swap.remove()
+
+
+def test_chunked_kl_equals_the_whole(llama, monkeypatch):
+    source = load_unswapped(str(llama / "llama"), head="causal-lm")
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
+    states = torch.randn(10, 32, requires_grad=True)
+    teacher_states = torch.randn(10, 32)
+    whole = F.kl_div(
+        losses.token_log_probs(student, states),
+        losses.token_log_probs(source, teacher_states).detach(),
+        log_target=True,
+        reduction="batchmean",
+    )
+    (expected,) = torch.autograd.grad(whole, states)
+    monkeypatch.setattr(losses, "TOKENS_PER_CHUNK", 3)
+    chunked = losses.next_token_kl(student, source, states, teacher_states)
+    (gradient,) = torch.autograd.grad(chunked, states)
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-5)
+    assert torch.allclose(gradient, expected, atol=1e-7)
+
+
+def test_teacher_samples_are_distinct(llama):
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    options = HealOptions(data="teacher", sample_count=12, sample_length=10, batch_size=5)
+    rows = teacher_samples(teacher, tokenizer, options)
+    sequences = {tuple(row["input_ids"]) for row in rows}
+    assert len(rows) == 12 and len(sequences) == 12
+    assert all(len(row["input_ids"]) == 10 and row["input_ids"][0] == tokenizer.bos_token_id for row in rows)
+    stream = iter(teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10, batch_size=5)))
+    streamed = [tuple(next(stream)["input_ids"]) for _ in range(20)]
+    assert len(set(streamed)) == 20 and set(streamed[:12]) == sequences  # the same seeds, then new texts
+
+
+@pytest.mark.parametrize("schedule", ["direct", "gate", "layers"])
+def test_kl_healing_on_teacher_text(llama, schedule):
+    report = heal_checkpoint(
+        str(llama / "post-shifted" if schedule == "direct" else llama / "post"),
+        str(llama / f"healed-{schedule}"),
+        **HEAL,
+        swap_schedule=schedule,
+    )
+    assert report["objective"] == "kl" and report["data"]["name"] == "teacher" and report["data"]["train_rows"] is None
+    assert report["swap_schedule"] == schedule
+    before, after = report["next_token"]["before"], report["next_token"]["after"]
+    assert set(after) == {"kl", "top1_agreement", "greedy_agreement"}
+    if schedule == "direct":  # far from the source at the start: healing must bring it closer
+        assert after["kl"] < 0.85 * before["kl"]
+    losses_logged = [entry["loss"] for entry in report["log_history"] if "loss" in entry]
+    assert len(losses_logged) >= 4
+
+
+def test_kl_objective_decreases_on_text(llama):
+    report = heal_checkpoint(
+        str(llama / "post-shifted"), str(llama / "healed-text"), **{**HEAL, "max_steps": 30}, data="sst2-sample"
+    )
+    before, after = report["next_token"]["before"], report["next_token"]["after"]
+    assert after["kl"] < 0.5 * before["kl"] and after["top1_agreement"] > before["top1_agreement"]
+
+
+def test_bad_input_one_line(tmp_path, llama, capsys):
+    save_source(tmp_path / "bert", "bert", "Model")
+    convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre", **QUIET)
+    cases = [
+        ([str(tmp_path / "pre"), "--data", "teacher"], "--data teacher needs a causal-LM teacher"),
+        ([str(tmp_path / "pre"), "--objective", "kl"], "objective='kl' needs a causal-LM student"),
+        ([str(llama / "post-shifted"), "--swap-schedule", "gate"], "needs a calibrated conversion out of pre-LN"),
+        ([str(llama / "post"), "--sample-count", "0"], "sample_count=0 is invalid"),
+    ]
+    capsys.readouterr()
+    for arguments, message in cases:
+        output = tmp_path / "out"
+        assert cli(["heal", *arguments, str(output), "--max-steps", "2"]) == 1
+        error = capsys.readouterr().err.strip()
+        assert message in error and len(error.splitlines()) == 1 and not output.exists()
+    with pytest.raises(HealError, match="swap_schedule='slow' is invalid"):
+        HealOptions(swap_schedule="slow")
+
+
+def test_card_reports_next_token_figures(llama):
+    card, _ = build_card(llama / "healed-text", "user/healed", base_model="user/tiny-llama", license="mit")
+    record = json.loads((llama / "healed-text" / "conversion.json").read_text())
+    effect, after = record["swap_effect"], record["heal"]["next_token"]["after"]
+    assert f"top-1 agreement {effect['top1_agreement']:.3f}" in card.text
+    assert f"After healing: KL {after['kl']:.3f} nats per token" in card.text
