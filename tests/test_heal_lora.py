@@ -73,7 +73,6 @@ def _changes(variant, name: str) -> dict:
 
 
 def test_lora_healing(variant, saved):
-    pytest.importorskip("peft", reason="needs the dev extra")
     report, record = _heal(variant, "lora", lora=True, lora_rank=RANK)
     assert (record["lora"], record["lora_rank"], record["dtype"]) == (True, RANK, "float32")
     assert report["after"][-1]["token_cosine"] > report["before"][-1]["token_cosine"] + 0.03
@@ -103,13 +102,10 @@ def test_lora_healing(variant, saved):
     assert (states[2] - saved["states"])[real].abs().max() > 0.05
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_bfloat16_healing(variant, saved, lora):
-    if lora:
-        pytest.importorskip("peft", reason="needs the dev extra")
-    name = f"bf16-lora-{lora}"
-    report, record = _heal(variant, name, dtype="bfloat16", lora=lora, lora_rank=RANK)
-    assert record["dtype"] == "bfloat16" and record["lora"] is lora
+def test_bfloat16_healing(variant, saved):
+    name = "bf16-lora"
+    report, record = _heal(variant, name, dtype="bfloat16", lora=True, lora_rank=RANK)
+    assert record["dtype"] == "bfloat16" and record["lora"] is True
     assert report["after"][-1]["token_cosine"] > report["before"][-1]["token_cosine"] + 0.03
 
     # Teacher and student trained in bfloat16, but for the student's norms and adapters, kept in float32.
@@ -119,8 +115,7 @@ def test_bfloat16_healing(variant, saved, lora):
     assert len(saved["norms"]) == 5 and norms == {torch.float32}
     linear = {dtype for name, dtype in dtypes.items() if name.endswith("_proj.weight") or ".base_layer." in name}
     assert linear == {torch.bfloat16}
-    if lora:
-        assert {dtype for name, dtype in dtypes.items() if ".lora_" in name} == {torch.float32}
+    assert {dtype for name, dtype in dtypes.items() if ".lora_" in name} == {torch.float32}
 
     # Saved in bfloat16; the norms moved by more than bfloat16's spacing near 1 (0.0078), which their steps (about
     # the learning rate, 1e-3) would not have done in bfloat16.
@@ -137,7 +132,6 @@ def test_bfloat16_healing(variant, saved, lora):
 
 def test_lora_keeps_frozen_embedding_norm(tmp_path):
     """PEFT picks the norms to train by suffix: a final norm named `norm` would pick the embeddings' norm too."""
-    pytest.importorskip("peft", reason="needs the dev extra")
     HEAD_CLASSES["base"](tiny_config(norm_placement=["post", "pre"])).save_pretrained(tmp_path)  # both norms exist
     for freeze in (True, False):
         student, _ = _load_student(tmp_path, HealOptions(lora=True, lora_rank=RANK, freeze_embeddings=freeze))
@@ -159,6 +153,7 @@ def test_lora_needs_peft(variant, tmp_path, monkeypatch, capsys):
     for options, message in [
         ({"lora_rank": 0}, "lora_rank=0 is invalid"),
         ({"dtype": "float16"}, "dtype='float16' is invalid"),
+        ({"dtype": "bfloat16"}, "dtype='bfloat16' needs --lora"),
     ]:
         with pytest.raises(HealError, match=message):
             HealOptions(**options)
@@ -167,7 +162,6 @@ def test_lora_needs_peft(variant, tmp_path, monkeypatch, capsys):
 def test_lora_healing_resumes(variant, saved, monkeypatch):
     """The Trainer's checkpoints of a PEFT model hold its adapters and its trained norms: a rerun after a crash
     continues from them."""
-    pytest.importorskip("peft", reason="needs the dev extra")
     spy = healing._save
 
     def crash(models, **kwargs):

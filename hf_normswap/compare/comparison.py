@@ -181,7 +181,11 @@ def _local_source(model: str, output: Path) -> str:
         staging = output / "source.partial"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        write_gguf_checkpoint(Path(model), staging)
+        try:
+            write_gguf_checkpoint(Path(model), staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         staging.rename(folder)
     return str(folder)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from datasets import Dataset, IterableDataset, load_dataset
+from datasets import Dataset, load_dataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from ..tasks import GLUE_TASKS, load_task
@@ -17,7 +17,7 @@ from .options import HealError, HealOptions
 class HealTexts:
     """The tokenized training rows with the collator that batches them, and the padded held-out batches."""
 
-    train: Dataset | IterableDataset
+    train: Dataset | torch.utils.data.IterableDataset
     collator: DataCollatorWithPadding | DataCollatorForLanguageModeling
     held_out: list[dict]
     held_out_rows: int
@@ -107,21 +107,21 @@ def _tokenize(rows: Dataset, columns: list[str], tokenizer, max_length: int, nam
     return encoded.remove_columns("special_tokens_mask")
 
 
-def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> Dataset | IterableDataset:
-    """Texts of `sample_length` tokens sampled from the teacher at `sample_temperature`, each started from BOS
-    (else EOS): `sample_count` of them sampled once, or else an endless stream, a new text every time."""
-    if not callable(getattr(teacher, "generate", None)):
-        raise HealError(f"--data teacher needs a teacher that generates (a causal LM); {options.teacher} does not")
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    if start is None:
-        raise HealError("--data teacher needs a tokenizer with a BOS or EOS token to start each text from")
+class TeacherSamples(torch.utils.data.IterableDataset):
+    """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`, each started
+    from the token `start`, `batch_size` at a time; each batch seeded by its index (the global generator is left as it
+    was), so that no text repeats and a run can be reproduced."""
 
-    def rows(first_batch: int = 0):
-        for batch in itertools.count(first_batch):
-            with torch.random.fork_rng(devices=[]):
+    def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions):
+        self.teacher, self.start, self.pad, self.options = teacher, start, pad, options
+
+    def __iter__(self):
+        options, device = self.options, self.teacher.device
+        for batch in itertools.count():
+            with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
                 torch.manual_seed(batch)
-                starts = torch.full((options.batch_size, 1), start, device=teacher.device)
-                ids = teacher.generate(
+                starts = torch.full((options.batch_size, 1), self.start, device=device)
+                ids = self.teacher.generate(
                     starts,
                     attention_mask=torch.ones_like(starts),
                     do_sample=True,
@@ -130,11 +130,21 @@ def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -
                     top_p=1.0,
                     min_new_tokens=options.sample_length - 1,
                     max_new_tokens=options.sample_length - 1,
-                    pad_token_id=tokenizer.pad_token_id,
+                    pad_token_id=self.pad,
                 )
             for row in ids.tolist():
                 yield {"input_ids": row, "attention_mask": [1] * len(row)}
 
+
+def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> Dataset | TeacherSamples:
+    """Texts sampled from the teacher, each started from BOS (else EOS): `sample_count` of them sampled once, or else
+    an endless stream (`TeacherSamples`)."""
+    if not callable(getattr(teacher, "generate", None)):
+        raise HealError("--data teacher needs a teacher that generates (a causal LM); the teacher has no such head")
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise HealError("--data teacher needs a tokenizer with a BOS or EOS token to start each text from")
+    stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options)
     if options.sample_count is None:
-        return IterableDataset.from_generator(rows)
-    return Dataset.from_list(list(itertools.islice(rows(), options.sample_count)))
+        return stream
+    return Dataset.from_list(list(itertools.islice(stream, options.sample_count)))

@@ -24,10 +24,10 @@ from transformers import TrainerCallback
 from .options import HealError
 
 
-def _normalised(states: torch.Tensor, centred: bool) -> torch.Tensor:
+def _normalised(states: torch.Tensor, centred: bool, eps: float) -> torch.Tensor:
     """`states` with zero mean (LayerNorm) and unit RMS over features, without parameters."""
     states = states - states.mean(-1, keepdim=True) if centred else states
-    return states * torch.rsqrt(states.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(states.dtype)
+    return states * torch.rsqrt(states.float().pow(2).mean(-1, keepdim=True) + eps).to(states.dtype)
 
 
 class GradualSwap(TrainerCallback):
@@ -42,7 +42,7 @@ class GradualSwap(TrainerCallback):
             raise HealError(f"swap_schedule={schedule!r}: the recorded stream RMS does not fit the student's layers")
         self.gates = torch.zeros(2 * self.layers)
         self.hooks = []
-        centred = isinstance(base.embeddings.norm, nn.LayerNorm)
+        centred = base.config.norm_type == "layernorm"
         sublayers = [
             pair
             for layer in base.layers
@@ -56,7 +56,8 @@ class GradualSwap(TrainerCallback):
             self.hooks.append(norm.register_forward_hook(self._mix_write(point, factor, centred)))
             norms, module = sublayers[point]
             if isinstance(norms.input_norm, nn.Identity):
-                self.hooks.append(module.register_forward_pre_hook(self._mix_input(point, centred)))
+                eps = base.config.norm_eps / stream_rms[point] ** 2  # the source's, on a stream divided by r
+                self.hooks.append(module.register_forward_pre_hook(self._mix_input(point, centred, eps)))
 
     def _mix_write(self, point: int, factor: float, centred: bool):
         def hook(norm, args, output):
@@ -68,12 +69,12 @@ class GradualSwap(TrainerCallback):
 
         return hook
 
-    def _mix_input(self, point: int, centred: bool):
+    def _mix_input(self, point: int, centred: bool, eps: float):
         def hook(module, args):
             gate = self.gates[point].item()
             if gate == 1.0:
                 return None
-            return (gate * args[0] + (1 - gate) * _normalised(args[0], centred), *args[1:])
+            return (gate * args[0] + (1 - gate) * _normalised(args[0], centred, eps), *args[1:])
 
         return hook
 

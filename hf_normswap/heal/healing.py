@@ -39,6 +39,9 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     """
     options = HealOptions(**options)
     check_output(output, overwrite)
+    stream_rms = None
+    if options.swap_schedule != "direct":
+        stream_rms = recorded_stream_rms(Path(variant), options.swap_schedule)
     models = load_models(variant, options)
     options = options.for_head(head_of_config(models.student.config))
     tokenizer = AutoTokenizer.from_pretrained(variant)
@@ -46,7 +49,7 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     with output_folder(output, overwrite) as staging:
         work = Path(options.checkpoint_dir) if options.checkpoint_dir else staging / "trainer"
         report = _heal(
-            models, texts=texts, tokenizer=tokenizer, options=options, work=work, quiet=log is None, variant=variant
+            models, texts, tokenizer=tokenizer, options=options, work=work, quiet=log is None, stream_rms=stream_rms
         )
         _save(models, source=Path(variant), staging=staging, report=report)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
@@ -59,45 +62,38 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
 
 
 def _heal(
-    models: HealModels, texts: HealTexts, tokenizer, options: HealOptions, work: Path, quiet: bool, variant: str
+    models: HealModels,
+    texts: HealTexts,
+    tokenizer,
+    options: HealOptions,
+    work: Path,
+    quiet: bool,
+    stream_rms: list[float] | None,
 ) -> HealReport:
     """Trains the student, measured on the held-out batches before, every fifth of the way and after."""
     teacher = teacher_states(models.teacher, texts.held_out)
     before = measure(models.student, texts.held_out, teacher)
-    masked_lm_before = masked_lm_loss(models.student, texts.held_out, tokenizer) if models.masked_lm else None
-    causal = head_of_config(models.student.config) == "causal-lm"
-    prompts = greedy_prompts(texts.held_out, tokenizer) if causal else None
-    next_token_before = _next_token(models, texts.held_out, prompts) if causal else None
+    head_before = _head_figures(models, texts.held_out, tokenizer)
     probe = HealProbeCallback(texts.held_out, teacher, every=max(1, options.max_steps // 5))
     probe.history.append({"step": 0, **before[-1]})
     callbacks = [probe]
-    if options.swap_schedule != "direct":
-        stream_rms = recorded_stream_rms(Path(variant), options.swap_schedule)
+    if stream_rms is not None:
         callbacks.append(GradualSwap(models.student, stream_rms, options.swap_schedule, options.max_steps))
     log_history, seconds, resumed = _train(models, texts, options, callbacks=callbacks, work=work, quiet=quiet)
     for callback in callbacks[1:]:
-        callback.remove()  # every gate is open by now
+        callback.remove()  # the saved student is the target placement
     after = measure(models.student, texts.held_out, teacher)
     probe.history.append({"step": options.max_steps, **after[-1]})
-    masked_lm = None
-    if models.masked_lm:
-        masked_lm = MaskedLMLoss(
-            teacher=masked_lm_loss(models.teacher, texts.held_out, tokenizer),
-            before=masked_lm_before,
-            after=masked_lm_loss(models.student, texts.held_out, tokenizer),
-        )
-    next_token = None
-    if causal:
-        next_token = NextTokenAgreement(before=next_token_before, after=_next_token(models, texts.held_out, prompts))
-    data = HealData(
-        name=options.data,
-        text_columns=texts.columns,
-        train_rows=len(texts.train) if isinstance(texts.train, Sized) else None,
-        held_out_rows=texts.held_out_rows,
-    )
+    head_after = _head_figures(models, texts.held_out, tokenizer, prompts=head_before["prompts"])
+    masked_lm, next_token = _head_results(models, texts.held_out, tokenizer, before=head_before, after=head_after)
     return HealReport(
         teacher=models.teacher_id,
-        data=data,
+        data=HealData(
+            name=options.data,
+            text_columns=texts.columns,
+            train_rows=len(texts.train) if isinstance(texts.train, Sized) else None,
+            held_out_rows=texts.held_out_rows,
+        ),
         objective=options.objective,
         steps=options.max_steps,
         learning_rate=options.learning_rate,
@@ -120,11 +116,33 @@ def _heal(
     )
 
 
-def _next_token(models: HealModels, batches: list[dict], prompts: dict) -> dict:
-    """The student's next-token KL and top-1 agreement to the teacher on `batches`, and its greedy agreement from
-    `prompts`."""
-    agreement = next_token_agreement(models.teacher, models.student, batches)
-    return agreement | {"greedy_agreement": greedy_agreement(models.teacher, models.student, prompts)}
+def _head_results(
+    models: HealModels, batches: list[dict], tokenizer, before: dict, after: dict
+) -> tuple[MaskedLMLoss | None, NextTokenAgreement | None]:
+    """heal.json's figures through the language-model head, from `_head_figures` before and after (and the teacher's
+    masked-LM loss)."""
+    masked_lm = next_token = None
+    if models.masked_lm:
+        teacher = masked_lm_loss(models.teacher, batches, tokenizer)
+        masked_lm = MaskedLMLoss(teacher=teacher, before=before["masked_lm"], after=after["masked_lm"])
+    if before["next_token"]:
+        next_token = NextTokenAgreement(before=before["next_token"], after=after["next_token"])
+    return masked_lm, next_token
+
+
+def _head_figures(models: HealModels, batches: list[dict], tokenizer, prompts: dict | None = None) -> dict:
+    """The student's figures through its language-model head on the held-out `batches`: its masked-LM loss (with a
+    masked-LM head), or its next-token KL and top-1 agreement to the teacher and its greedy agreement from `prompts`
+    (the first tokens of the held-out texts unless given) (with a causal-LM head)."""
+    figures = {"masked_lm": None, "next_token": None, "prompts": None}
+    if models.masked_lm:
+        figures["masked_lm"] = masked_lm_loss(models.student, batches, tokenizer)
+    if head_of_config(models.student.config) == "causal-lm":
+        figures["prompts"] = prompts = prompts or greedy_prompts(batches, tokenizer)
+        figures["next_token"] = next_token_agreement(models.teacher, models.student, batches) | {
+            "greedy_agreement": greedy_agreement(models.teacher, models.student, prompts)
+        }
+    return figures
 
 
 def _train(

@@ -135,6 +135,11 @@ class HealOptions:
             raise HealError(f"lora_rank={self.lora_rank!r} is invalid: at least 1")
         if self.dtype not in DTYPES:
             raise HealError(f"dtype={self.dtype!r} is invalid: allowed are {list(DTYPES)}")
+        if self.dtype == "bfloat16" and not self.lora:
+            raise HealError(
+                "dtype='bfloat16' needs --lora: a bfloat16 weight's update at a healing learning rate mostly rounds "
+                "away; with --lora the adapters and norms train in float32"
+            )
 
     def for_head(self, head: str) -> "HealOptions":
         """These options with those left open set by `HEAD_DEFAULTS` for a student with `head`."""
