@@ -115,7 +115,7 @@ class HealOptions:
         default="float32",
         metadata={
             "choices": DTYPES,
-            "help": "the dtype student and teacher are loaded and trained in; the student saves in it",
+            "help": "the dtype student and teacher are loaded in, and the student saves in; bfloat16 needs --lora",
         },
     )
 
