@@ -7,6 +7,7 @@ from transformers import AutoConfig
 from .convert import convert_checkpoint
 from .gguf import smollm2_gguf
 from .heal import heal_checkpoint
+from .model.admin import profile_admin
 from .model.configuration_normswap import NormSwapConfig, mix_ln_placement
 from .model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES
 from .model.modeling_normswap import (
@@ -33,6 +34,7 @@ __all__ = [
     "heal_checkpoint",
     "NormSwapConfig",
     "mix_ln_placement",
+    "profile_admin",
     "NormSwapPreTrainedModel",
     "NormSwapModel",
     "NormSwapForMaskedLM",

@@ -23,7 +23,7 @@ from helpers import save_source
 
 QUIET = dict(log=lambda line: None)
 HEAL = dict(max_steps=16, learning_rate=1e-3, batch_size=8, eval_size=16, log=None)
-PLACEMENTS = ("post", "pre_post", "deepnorm")
+PLACEMENTS = ("post", "pre_post", "deepnorm", "admin")
 
 
 @pytest.fixture(scope="module")

@@ -136,13 +136,15 @@ def test_deepnorm_scales_residual_and_init():
 def test_placement_formulas_by_hand():
     """Each placement computes the formula in its docstring, checked against a hand-written layer."""
     for placement in NORM_PLACEMENTS:
-        config = tiny_config(norm_placement=placement, num_hidden_layers=1)
+        config = tiny_config(norm_placement=placement, num_hidden_layers=2)
         model = NormSwapModel(config).eval()
-        layer = model.layers[0]
+        layer = model.layers[1]  # at depth 2
         for norm in layer.modules():
             if isinstance(norm, torch.nn.LayerNorm):
                 torch.nn.init.normal_(norm.weight)
                 torch.nn.init.normal_(norm.bias)
+            if getattr(norm, "residual_weight", None) is not None:
+                torch.nn.init.normal_(norm.residual_weight)
         x = torch.randn(2, 5, 32)
         attn = lambda h: layer.self_attn(h)[0]  # noqa: E731
         a, m = layer.attention_norms, layer.mlp_norms
@@ -154,6 +156,8 @@ def test_placement_formulas_by_hand():
             "pre_post": lambda x, f, n: n.residual_norm(x + f(n.input_norm(x))),
             "deepnorm": lambda x, f, n: n.residual_norm(alpha * x + f(x)),
             "output": lambda x, f, n: x + n.output_norm(f(x)),
+            "lns": lambda x, f, n: x + f(n.input_norm(x) / 2**0.5),
+            "admin": lambda x, f, n: n.residual_norm(n.residual_weight * x + f(x)),
         }[placement]
         with torch.no_grad():
             reference = expected(expected(x, attn, a), layer.mlp, m)

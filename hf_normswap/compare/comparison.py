@@ -18,10 +18,12 @@ from .experiment import Experiment, Variant
 from .report import write_report
 from .runner import Runner
 from .search import DEV_SEED, choose, dev_split
+from .update_sizes import measure_update_sizes
 from .variants import Start, prepare_variant
 
 
-_RESUMABLE = ("seeds", "variants", "output", "reference", "report_to")  # may change between runs into one OUTPUT
+# What may change between runs into one OUTPUT.
+_RESUMABLE = ("seeds", "variants", "output", "reference", "report_to", "update_size_depths")
 SHIPPED_MODELS = {"smollm2": smollm2_gguf}  # names `model` may take for a model file a package ships
 
 
@@ -47,7 +49,8 @@ def source_model(model: str | None) -> str:
 
 
 def run_comparison(experiment: Experiment) -> dict | None:
-    """Runs every (variant, seed) not finished yet, then writes the report; returns the results (main process).
+    """Runs every (variant, seed) not finished yet, measures the update sizes against depth (`update_size_depths`),
+    then writes the report; returns the results (main process).
 
     With a grid of settings, each variant first trains at every point of its grid on the training data less a
     development split, and then runs every seed at the point that scored best there (validation is never used).
@@ -73,17 +76,19 @@ def run_comparison(experiment: Experiment) -> dict | None:
         )
 
     search = _search(runner, starts, searched, split, output) if searched else None
+    points = {
+        v.spec: search["variants"][v.spec]["chosen"] if v in searched else experiment.grid(v)[0] for v in variants
+    }
     results = []
     runs = [(variant, seed) for seed in range(experiment.seeds) for variant in variants]
     for variant, seed in tqdm(runs, desc="runs", disable=not state.is_main_process):
-        point = search["variants"][variant.spec]["chosen"] if variant in searched else experiment.grid(variant)[0]
         run_dir = output / "runs" / f"{variant.folder}-seed{seed}"
         results.append(
             runner.run(
-                start=starts[variant.name],
+                start=starts[variant.start_name],
                 variant=variant,
                 seed=seed,
-                point=point,
+                point=points[variant.spec],
                 train=runner.encoded["train"],
                 evaluation=runner.encoded["validation"],
                 run_dir=run_dir,
@@ -91,17 +96,23 @@ def run_comparison(experiment: Experiment) -> dict | None:
         )
     if not state.is_main_process:
         return None
-    return write_report(output=output, experiment=experiment, task=task, results=results, search=search)
+    update_size = None
+    if experiment.update_size_depths:
+        update_size = measure_update_sizes(runner, variants=variants, starts=starts, points=points, output=output)
+    return write_report(
+        output=output, experiment=experiment, task=task, results=results, search=search, update_size=update_size
+    )
 
 
 def _prepare(
     variants: list[Variant], model: str, from_config: bool, task: Task, experiment: Experiment, output: Path
 ) -> dict[str, Start]:
-    """What each variant starts from, by name: prepared once for the variants that differ in pinned settings only."""
+    """What each variant starts from, by its `start_name`: prepared once for the variants that differ only in learning
+    rate or warm-up."""
     starts = {}
     for variant in variants:
-        if variant.name not in starts:
-            starts[variant.name] = prepare_variant(
+        if variant.start_name not in starts:
+            starts[variant.start_name] = prepare_variant(
                 model=model, variant=variant, from_config=from_config, task=task, experiment=experiment, output=output
             )
     return starts
@@ -141,7 +152,7 @@ def _search(runner: Runner, starts: dict[str, Start], variants: list[Variant], s
         name = f"{variant.folder}-lr{point['learning_rate']:g}-warmup{point['warmup_ratio']:g}-seed{seed}"
         results.append(
             runner.run(
-                start=starts[variant.name],
+                start=starts[variant.start_name],
                 variant=variant,
                 seed=seed,
                 point=point,

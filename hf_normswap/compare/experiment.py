@@ -16,7 +16,7 @@ from transformers.integrations import is_tensorboard_available, is_trackio_avail
 from ..convert.norm_mapping import NORM_MAPPINGS
 from ..convert.options import ATTENTIONS
 from ..heal import HealOptions
-from ..model.configuration_normswap import NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
+from ..model.configuration_normswap import INITIALIZERS, NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
 from ..tasks import DATA_DIR
 
 
@@ -25,7 +25,8 @@ EXPERIMENTS_DIR = DATA_DIR
 DEFAULT_EXPERIMENT = EXPERIMENTS_DIR / "default_experiment.yaml"
 TASK_TYPES = ("sequence-classification", "causal-lm")
 TRACKERS = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "trackio": is_trackio_available}
-VARIANT_SETTINGS = ("learning_rate", "warmup_ratio")  # what `VARIANT@field=value` may pin
+NUMBER_SETTINGS = ("learning_rate", "warmup_ratio")  # the numbers a variant may pin
+VARIANT_SETTINGS = (*NUMBER_SETTINGS, "initializer")  # what `VARIANT@field=value` may pin
 HEAL_SUFFIX = "+heal"  # `pre+heal`: the converted variant is healed before fine-tuning
 HEAL_SETTINGS = tuple(  # the comparison names the teacher (its model) and the checkpoint folder itself
     field.name for field in dataclasses.fields(HealOptions) if field.name not in ("teacher", "checkpoint_dir")
@@ -68,7 +69,7 @@ class Experiment:
     variants: list[str] = _option(
         ["post", "pre", "sandwich"],
         "comma-separated: native, PLACEMENT[:POSITION] or :POSITION, then +heal to heal it first, then "
-        "@learning_rate=X or @warmup_ratio=X to pin a setting",
+        "@learning_rate=X, @warmup_ratio=X or @initializer=xavier (a NormSwap configuration) to pin a setting",
         distinct=True,
     )
     reference: str | None = _option(
@@ -142,6 +143,13 @@ class Experiment:
     heal: dict | None = _option(
         None, f"the +heal variants' healing settings, as YAML (e.g. {{max_steps: 100}}): {', '.join(HEAL_SETTINGS)}"
     )
+    update_size_depths: list[int] | None = _option(
+        None,
+        "comma-separated depths at which to measure one optimizer step's output change and the last layer's gradient "
+        "norm at initialisation, for a NormSwap configuration",
+        Rule(_AT_LEAST_1.test, "every depth is at least 1"),
+        distinct=True,
+    )
 
     @classmethod
     def from_file(cls, path: str, **overrides) -> "Experiment":
@@ -183,7 +191,7 @@ class Experiment:
             raise ValueError("variants is empty: name at least one variant")
         variants = [Variant.parse(spec) for spec in self.variants]
         for variant in variants:
-            for name in VARIANT_SETTINGS:
+            for name in NUMBER_SETTINGS:
                 if getattr(variant, name) is not None:
                     _check(name, getattr(variant, name))
         self._check_lists()
@@ -203,14 +211,21 @@ class Experiment:
                 raise ValueError(f"{field.name}={values!r} is invalid: a value is repeated")
 
     def _check_variants(self, variants: list["Variant"]) -> None:
-        """What the variants need: a pretrained checkpoint to heal or to be native, known healing settings, and the
-        reference among them."""
+        """What the variants need: a pretrained checkpoint to heal or to be native, a configuration to pin an
+        initializer or measure update sizes, known healing settings, and the reference among them."""
         from_config = (self.model or "").endswith(".json")
         for variant in variants:
             if variant.heal and (variant.native or from_config):
                 raise ValueError(
                     f"variant {variant.spec!r}: healing needs a converted variant of a pretrained checkpoint"
                 )
+            if variant.initializer and not from_config:
+                raise ValueError(
+                    f"variant {variant.spec!r}: initializer needs a NormSwap configuration; a pretrained checkpoint's "
+                    "weights are not initialised"
+                )
+        if self.update_size_depths and not from_config:
+            raise ValueError("update_size_depths needs a NormSwap configuration (random init), not a pretrained model")
         _check_heal_settings(self.heal or {})
         if self.reference is not None and self.reference not in self.variants:
             raise ValueError(
@@ -261,12 +276,13 @@ class Variant:
     """One variant of a comparison, parsed once from its name as written (`pre:rope+heal@learning_rate=1e-4`)."""
 
     spec: str  # as written: how results and the report name it
-    name: str  # without the pinned settings (`pre:rope+heal`): what it starts from
+    name: str  # without the pinned settings (`pre:rope+heal`)
     placement: str | None  # None: the source's own (native, or a position-only variant)
     position: str | None  # None: the source's own
     heal: bool  # healed before fine-tuning
     learning_rate: float | None = None  # pinned by `@learning_rate=`; None: the experiment's
     warmup_ratio: float | None = None  # pinned by `@warmup_ratio=`; None: the experiment's
+    initializer: str | None = None  # pinned by `@initializer=` (one of INITIALIZERS); None: the configuration's
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
@@ -283,7 +299,11 @@ class Variant:
                 raise ValueError(
                     f"variant {spec!r}: after '@' comes field=value, with field one of {', '.join(VARIANT_SETTINGS)}"
                 )
-            pinned[field] = _number(f"variant {spec!r}: {field}", value)
+            if field == "initializer" and value not in INITIALIZERS:
+                raise ValueError(
+                    f"variant {spec!r}: initializer={value!r} is invalid: allowed are {', '.join(INITIALIZERS)}"
+                )
+            pinned[field] = value if field == "initializer" else _number(f"variant {spec!r}: {field}", value)
         return cls(spec, name, placement, position, name.endswith(HEAL_SUFFIX), **pinned)
 
     @property
@@ -303,9 +323,15 @@ class Variant:
         return self.spec.replace(":", "-")
 
     @property
+    def start_name(self) -> str:
+        """What it starts from: its name and the initializer it pins, shared by the variants that differ only in
+        learning rate or warm-up."""
+        return self.name + (f"@initializer={self.initializer}" if self.initializer else "")
+
+    @property
     def start_folder(self) -> str:
-        """The folder name of what it starts from, shared by the variants that differ in pinned settings only."""
-        return self.name.replace(":", "-")
+        """The folder name of what it starts from."""
+        return self.start_name.replace(":", "-")
 
 
 def _placement_and_position(name: str) -> tuple[str | None, str | None]:
@@ -319,8 +345,8 @@ def _placement_and_position(name: str) -> tuple[str | None, str | None]:
         or not (placement or position)
     ):
         raise ValueError(
-            f"unknown variant {name!r}: use native, a placement ({', '.join(PLACEMENTS)}) and/or "
-            f":POSITION ({', '.join(POSITION_EMBEDDING_TYPES)})"
+            f"unknown variant {name!r}: use native, a placement ({' '.join(PLACEMENTS)}) and/or "
+            f":POSITION ({' '.join(POSITION_EMBEDDING_TYPES)})"
         )
     return placement or None, position or None
 
@@ -376,11 +402,12 @@ def _read(name: str, value, annotation):
     kinds = _kinds(annotation)
     if kinds == (int, float):
         value = _number(name, value)
-    elif typing.get_args(_unwrap(annotation)) == (float,) and isinstance(value, list):
-        value = [_number(name, item) for item in value]
+    elif typing.get_args(_unwrap(annotation)) in ((float,), (int,)) and isinstance(value, list):
+        (kind,) = typing.get_args(_unwrap(annotation))
+        value = [_number(name, item, kind) for item in value]
         for item in value:
-            if not _is_number(item):
-                raise ValueError(f"{name}: {item!r} is not a number")
+            if not _is_number(item) or (kind is int and not isinstance(item, int)):
+                raise ValueError(f"{name}: {item!r} is not {'a number' if kind is float else 'an integer'}")
     if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
         raise ValueError(f"{name}={value!r} is invalid: expected {' or '.join(k.__name__ for k in kinds)}")
     return value
@@ -398,13 +425,13 @@ def _check(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} is invalid: {rule.allowed}")
 
 
-def _number(name: str, value):
-    """`value`, read as a float when it is text."""
+def _number(name: str, value, kind: type = float):
+    """`value`, read as a `kind` (float or int) when it is text."""
     if isinstance(value, str):
         try:
-            return float(value)
+            return kind(value)
         except ValueError:
-            raise ValueError(f"{name}: {value!r} is not a number") from None
+            raise ValueError(f"{name}: {value!r} is not {'a number' if kind is float else 'an integer'}") from None
     return value
 
 

@@ -1,5 +1,6 @@
 """Figures of a comparison: loss and evaluation curves with their spread over seeds, per-seed differences from the
-reference, the settings search, per-layer gradient norm at initialisation, residual RMS."""
+reference, the settings search, per-layer gradient norm at initialisation, residual RMS, update size against depth,
+the final metric against the learning rate."""
 
 from pathlib import Path
 
@@ -38,7 +39,12 @@ def _plot_band(axis, runs: list[dict], key: str, label: str, color: str, **style
 
 
 def write_plots(
-    output: Path, results: list[dict], reference: str | None = None, search: dict | None = None
+    output: Path,
+    results: list[dict],
+    reference: str | None = None,
+    search: dict | None = None,
+    update_size: dict | None = None,
+    sensitivity: list[dict] | None = None,
 ) -> list[str]:
     """Writes the PNG figures into `output`; returns their file names."""
     grouped = _by_variant(results)
@@ -60,6 +66,10 @@ def write_plots(
     figures["residual_rms.png"] = _residual_figure(grouped)
     if any(run.get("source_collapse") and "collapse" in run["diagnostics"][0] for run in results):
         figures["collapse.png"] = _collapse_figure(grouped)
+    if update_size:
+        figures["update_size.png"] = _update_size_figure(update_size["summary"])
+    if sensitivity:
+        figures["learning_rate_sensitivity.png"] = _sensitivity_figure(sensitivity)
     for name, figure in figures.items():
         if figure.axes[0].get_legend_handles_labels()[0]:
             figure.axes[0].legend(fontsize=7)
@@ -178,5 +188,56 @@ def _collapse_figure(grouped: dict[str, list[dict]]):
         ylabel="mean pairwise cosine of first-token outputs",
         ylim=(None, 1.02),
         title="Collapse of the probe's first-token outputs",
+    )
+    return figure
+
+
+def _update_size_figure(summary: list[dict]):
+    """One optimizer step's output change, and the last layer's gradient norm at initialisation, against depth
+    (log-log, mean ± 1 std over seeds), one line per variant."""
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for index, variant in enumerate(dict.fromkeys(row["variant"] for row in summary)):
+        rows = [row for row in summary if row["variant"] == variant]
+        for axis, key in zip(axes, ("output_change", "last_layer_gradient_norm")):
+            axis.errorbar(
+                [row["depth"] for row in rows],
+                [row[key]["mean"] for row in rows],
+                yerr=[row[key]["std"] or 0.0 for row in rows],
+                marker="o",
+                capsize=3,
+                color=f"C{index}",
+                label=variant,
+            )
+    axes[0].set(ylabel="mean squared change of the final output", title="Output change after one step (Liu et al.)")
+    axes[1].set(ylabel="last layer's gradient norm", title="Last layer's gradient at initialisation (Xiong et al.)")
+    depths = sorted({row["depth"] for row in summary})
+    for axis in axes:
+        axis.set(xlabel="layers", xscale="log", yscale="log")
+        axis.set_xticks(depths, [str(depth) for depth in depths])
+        axis.set_xticks([], minor=True)
+    return figure
+
+
+def _sensitivity_figure(sensitivity: list[dict]):
+    """The final metric against the learning rate (log scale), one line per group of variants, mean ± 1 std over
+    seeds."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for index, group in enumerate(sensitivity):
+        points = group["points"]
+        axis.errorbar(
+            [point["learning_rate"] for point in points],
+            [point["metric"]["mean"] for point in points],
+            yerr=[point["metric"]["std"] or 0.0 for point in points],
+            marker="o",
+            capsize=3,
+            color=f"C{index}",
+            label=group["group"],
+        )
+    metric = sensitivity[0]["metric"]
+    axis.set(
+        xlabel="learning rate",
+        xscale="log",
+        ylabel=f"final validation {metric}",
+        title="Learning-rate sensitivity (Wortsman et al. 2023)",
     )
     return figure

@@ -1,5 +1,5 @@
-"""The comparison report: statistics over seeds, paired differences, the settings search, collapse, healing, failed
-runs, per-run configurations; markdown and JSON."""
+"""The comparison report: statistics over seeds, paired differences, the settings search, collapse, healing, update
+size against depth, learning-rate sensitivity, failed runs, per-run configurations; markdown and JSON."""
 
 import dataclasses
 import json
@@ -9,7 +9,7 @@ from ..probes.collapse import COLLAPSE_MARGIN, POOLINGS
 from ..tasks import Task
 from .experiment import Experiment
 from .plots import write_plots
-from .statistics import describe, paired_difference, summarize, task_metrics
+from .statistics import describe, learning_rate_sensitivity, paired_difference, summarize, task_metrics
 
 
 _MODEL_KEYS = (  # of each run's model configuration, in the report
@@ -37,12 +37,20 @@ _TRAINING_KEYS = (  # of each run's training arguments, in the report
 
 
 def write_report(
-    output: Path, experiment: Experiment, task: Task, results: list[dict], search: dict | None = None
+    output: Path,
+    experiment: Experiment,
+    task: Task,
+    results: list[dict],
+    search: dict | None = None,
+    update_size: dict | None = None,
 ) -> dict:
-    """Writes report.md, results.json and the plots into `output`; returns what results.json holds."""
+    """Writes report.md, results.json and the plots into `output`; returns what results.json holds (with
+    `update_size` when measured, and `learning_rate_sensitivity` when variants differ only in learning rate)."""
     variants = list(dict.fromkeys(result["variant"] for result in results))
     metric_names = task_metrics(results[0]["metrics"])
     reference = experiment.reference_variant
+    selection_metric = "loss" if experiment.task_type == "causal-lm" else "accuracy"  # as the settings search's
+    sensitivity = learning_rate_sensitivity(results, metric=selection_metric)
     document = {
         "experiment": dataclasses.asdict(experiment),
         "task": _task_record(experiment, task),
@@ -54,9 +62,20 @@ def write_report(
         "paired": {"reference": reference, "variants": _paired(results, reference, metric_names)},
         "runs": results,
     }
+    if update_size:
+        document["update_size"] = update_size
+    if sensitivity:
+        document["learning_rate_sensitivity"] = sensitivity
     output.mkdir(parents=True, exist_ok=True)
     (output / "results.json").write_text(json.dumps(document, indent=1) + "\n")
-    plots = write_plots(output=output, results=results, reference=reference, search=search)
+    plots = write_plots(
+        output=output,
+        results=results,
+        reference=reference,
+        search=search,
+        update_size=update_size,
+        sensitivity=sensitivity,
+    )
     (output / "report.md").write_text(_markdown(document, metric_names, plots))
     return document
 
@@ -107,6 +126,8 @@ def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
     lines += [""]
     lines += collapse_report_lines(document["summary"])
     lines += _healing_lines(document["summary"])
+    lines += _update_size_lines(document.get("update_size"))
+    lines += _sensitivity_lines(document.get("learning_rate_sensitivity"))
     lines += ["## Plots", ""]
     lines += [f"![{name}]({name})" for name in plots]
     lines += _runs_lines(document["runs"], metric_names)
@@ -263,6 +284,59 @@ def _next_token_cells(next_token: dict | None) -> str:
     return (
         f" {before['kl']:.4f} → {after['kl']:.4f} | {before['top1_agreement']:.4f} → {after['top1_agreement']:.4f} |"
     )
+
+
+def _update_size_lines(update_size: dict | None) -> list[str]:
+    """The update size and the last layer's gradient norm at initialisation against depth."""
+    if not update_size:
+        return []
+    lines = [
+        "## Update size against depth",
+        "",
+        "Each variant's configuration with as many layers as shown, initialised as its runs are (Admin profiled on "
+        f"the same batch), takes one AdamW step on the first training batch ({update_size['batch_size']} examples) "
+        "at its learning rate: the output change is the mean squared change of the final hidden states over real "
+        "tokens and features (Liu et al. 2020), the gradient norm that of the last layer's parameters before the "
+        "step (Xiong et al. 2020). Mean ± standard deviation over seeds.",
+        "",
+        "| variant | learning rate | depth | output change | last layer's gradient norm |",
+        "|---|---|---|---|---|",
+    ]
+    for row in update_size["summary"]:
+        change, norm = row["output_change"], row["last_layer_gradient_norm"]
+        lines.append(
+            f"| {row['variant']} | {row['learning_rate']:g} | {row['depth']} | {_spread(change)} | {_spread(norm)} |"
+        )
+    return lines + [""]
+
+
+def _spread(summary: dict) -> str:
+    if summary["std"] is None:
+        return f"{summary['mean']:.3g} (n=1)"
+    return f"{summary['mean']:.3g} ± {summary['std']:.2g}"
+
+
+def _sensitivity_lines(sensitivity: list[dict] | None) -> list[str]:
+    """The final metric against the learning rate, for the variants that differ only in it."""
+    if not sensitivity:
+        return []
+    metric = sensitivity[0]["metric"]
+    lines = [
+        "## Learning-rate sensitivity",
+        "",
+        f"Final validation {metric} against the learning rate (Wortsman et al. 2023), for the variants that differ "
+        "only in their learning rate (`@learning_rate=`; without it, the rate the variant ran at).",
+        "",
+        f"| group | learning rate | validation {metric} | failed runs |",
+        "|---|---|---|---|",
+    ]
+    for group in sensitivity:
+        for point in group["points"]:
+            lines.append(
+                f"| {group['group']} | {point['learning_rate']:g} | {_cell(point['metric'])} "
+                f"| {point['failed_runs']} / {point['runs']} |"
+            )
+    return lines + [""]
 
 
 def _runs_lines(runs: list[dict], metric_names: list[str]) -> list[str]:

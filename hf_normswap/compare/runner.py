@@ -2,6 +2,7 @@
 (resumed from its last checkpoint when interrupted), or read back when it has finished."""
 
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -25,7 +26,7 @@ from ..probes.diagnostics import DiagnosticsCallback
 from ..tasks import Task, unigram_loss
 from .experiment import Experiment, Variant
 from .metrics import load_metric
-from .variants import Start, build_model
+from .variants import Start, build_model, profile_admin_start
 
 
 PROBE_SIZE = 16  # validation examples the diagnostics probe holds
@@ -47,6 +48,7 @@ class RunResult:
     resumed: bool
     source_collapse: dict | None  # the pretrained source's collapse on the probe (None for a configuration)
     heal: dict | None  # what the variant's healing did, for a healed variant
+    admin_profile: list[float] | None  # Admin's residual weights as profiled (a configuration's Admin layers)
 
 
 class Runner:
@@ -100,10 +102,24 @@ class Runner:
             self.state.wait_for_everyone()
         return json.loads(result_file.read_text())
 
-    def _train(self, start, variant, seed, point, train, evaluation, run_dir: Path) -> RunResult:
+    @functools.cached_property
+    def first_batch(self) -> dict:
+        """The first `batch_size` training examples, collated as a NormSwap variant's training collates them: what
+        Admin is profiled on and update sizes are measured on, the same for every seed."""
+        train = self.encoded["train"]
+        features = [train[i] for i in range(min(self.experiment.batch_size, len(train)))]
+        return (self._packed if self.experiment.packing else self.collator)(features)
+
+    def build(self, start: Start, seed: int) -> tuple[torch.nn.Module, list[float] | None]:
+        """A run's model (see `build_model`) with the tokenizer's pad token, and Admin's residual weights as profiled
+        on `first_batch` after the seeded initialisation for a configuration with Admin layers (else None)."""
         model = build_model(start=start, seed=seed, num_labels=self.task.num_labels, causal=self.causal)
         if model.config.pad_token_id is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
+        return model, profile_admin_start(start, model, self.first_batch)
+
+    def _train(self, start, variant, seed, point, train, evaluation, run_dir: Path) -> RunResult:
+        model, admin_profile = self.build(start, seed)
         args = self._arguments(point, seed, run_dir)
         probe = self.collator([evaluation[i] for i in range(min(PROBE_SIZE, len(evaluation)))])
         probe = {name: values.tolist() for name, values in probe.items()}
@@ -134,6 +150,7 @@ class Runner:
             resumed=resume,
             source_collapse=source_collapse,
             heal=start.heal,
+            admin_profile=admin_profile,
         )
 
     def _arguments(self, point: dict, seed: int, run_dir: Path) -> TrainingArguments:

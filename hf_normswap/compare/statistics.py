@@ -1,5 +1,5 @@
-"""Statistics over seeds: a variant's mean with its confidence interval, and paired differences between variants;
-which figures are the task's metrics, and which way they improve."""
+"""Statistics over seeds: a variant's mean with its confidence interval, paired differences between variants, the final
+metric against the learning rate; which figures are the task's metrics, and which way they improve."""
 
 import math
 
@@ -56,3 +56,31 @@ def _amount(metric: str, value: float) -> str:
     if metric in LOWER_IS_BETTER:
         return f"{value:.3g}"
     return f"{100 * value:.1f}"
+
+
+def learning_rate_sensitivity(results: list[dict], metric: str) -> list[dict]:
+    """The final `metric` against the learning rate (Wortsman et al. 2023) for each group of variants that differ
+    only in their `@learning_rate=` pin (an unpinned one at the rate it ran at) and ran at two rates or more: per
+    rate, the statistics over its seeds and its failed runs."""
+    groups = {}
+    for result in results:
+        group = "@".join(part for part in result["variant"].split("@") if not part.startswith("learning_rate="))
+        groups.setdefault(group, {}).setdefault(result["point"]["learning_rate"], []).append(result)
+    return [
+        {
+            "group": group,
+            "metric": metric,
+            "points": [
+                {
+                    "learning_rate": learning_rate,
+                    "variants": list(dict.fromkeys(run["variant"] for run in runs)),
+                    "metric": summarize([run["metrics"][metric] for run in runs]),
+                    "failed_runs": sum(run["failed"] for run in runs),
+                    "runs": len(runs),
+                }
+                for learning_rate, runs in sorted(by_rate.items())
+            ],
+        }
+        for group, by_rate in groups.items()
+        if len(by_rate) > 1
+    ]

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from ..convert import convert_checkpoint
 from ..convert.families import family_of
 from ..heal import heal_checkpoint
+from ..model.admin import profile_admin
 from ..model.configuration_normswap import NormSwapConfig, mix_ln_placement
 from ..model.heads import head_of_config
 from ..model.modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
@@ -60,7 +61,7 @@ def prepare_variant(
     if placement == "mix_ln":
         placement = mix_ln_placement(source_config.num_hidden_layers)
     if from_config:
-        return _configured(source_config, placement, variant.position, task, experiment)
+        return _configured(source_config, placement, variant, task, experiment)
     folder = output / "variants" / variant.start_folder
     return _converted(model, placement, variant, experiment, _head(experiment, source_config), folder)
 
@@ -102,13 +103,15 @@ def _read_config(model: str, from_config: bool):
         raise ValueError(f"{model}: not a readable configuration ({str(error).splitlines()[0]})") from None
 
 
-def _configured(source: NormSwapConfig, placement, position: str | None, task: Task, experiment: Experiment) -> Start:
-    """A configuration with the variant's placement, position and attention, and the task's head."""
+def _configured(source: NormSwapConfig, placement, variant: Variant, task: Task, experiment: Experiment) -> Start:
+    """A configuration with the variant's placement, position, initializer and attention, and the task's head."""
     fields = source.to_dict()
     if placement:
         fields.update(norm_placement=placement, embedding_norm=None, final_norm=None)
-    if position:
-        fields.update(position_embedding_type=position)
+    if variant.position:
+        fields.update(position_embedding_type=variant.position)
+    if variant.initializer:
+        fields.update(initializer=variant.initializer)
     fields = {k: v for k, v in fields.items() if k not in ("id2label", "label2id")}
     if experiment.conversion_attention:
         fields.update(is_causal=experiment.conversion_attention == "causal")
@@ -158,6 +161,14 @@ def build_model(start: Start, seed: int, num_labels: int, causal: bool) -> torch
             if name in fresh or (isinstance(role, str) and role.startswith("classifier.")):
                 parameter.copy_(_head_start(role, parameter.shape, seed, model.config.initializer_range))
     return model
+
+
+def profile_admin_start(start: Start, model: torch.nn.Module, batch: dict) -> list[float] | None:
+    """Admin's profiled initialisation (Liu et al. 2020) of a model initialised from a configuration, on `batch`:
+    the residual weights set, in forward order; None for a checkpoint or a model without Admin layers."""
+    if start.kind != "config" or "admin" not in model.config.layer_norm_placements:
+        return None
+    return profile_admin(model, batch)
 
 
 def _role(model, name: str):

@@ -2,6 +2,10 @@
 
 - post <-> deepnorm: LayerNorm is scale-invariant, so scaling each sublayer's output projection (weight and bias) by
   alpha gives N(alpha * x + alpha * F(x)) = N(x + F(x)), up to eps.
+- post -> admin: Admin's residual weight starts at 1, where N(1 * x + F(x)) is post-LN's.
+- pre <-> lns: LayerNorm Scaling divides the input norms of the layer at depth l by sqrt(l); `convert.weights`
+  multiplies their gains and biases by sqrt(l) on the way (in any conversion between the two), so
+  F(N'(x) / sqrt(l)) = F(N(x)).
 - pre-LN LayerNorm -> pre-LN RMSNorm (Jiang et al. 2023, "Pre-RMSNorm and Pre-CRMSNorm Transformers"): every tensor
   that writes into the residual stream is re-centred, so the stream has zero mean and LayerNorm equals RMSNorm there;
   each norm's gain and bias are folded into the linear layers that read it, and the norm starts at weight 1.
@@ -14,6 +18,14 @@ import torch
 from ..model.configuration_normswap import NormSwapConfig
 
 
+# The placement swaps that keep the function, by (source, target) placement.
+PLACEMENT_SWAPS = {
+    ("post", "deepnorm"): "post<->deepnorm",
+    ("deepnorm", "post"): "post<->deepnorm",
+    ("post", "admin"): "post->admin",
+    ("pre", "lns"): "pre<->lns",
+    ("lns", "pre"): "pre<->lns",
+}
 # Heads whose layers reading the final norm have a bias to fold the norm's bias into, by their classifier head.
 _FINAL_NORM_READERS = {
     "sequence-classification": lambda config: ["pooler.dense" if config.classifier_activation else "classifier"],
@@ -25,8 +37,9 @@ _FINAL_NORM_READERS = {
 def plan_exact_swap(
     plain: NormSwapConfig, target: NormSwapConfig, head: str, norm_sources: dict
 ) -> tuple[str | None, dict]:
-    """The exact swap from `plain` to `target` ("post<->deepnorm" or "layernorm->rmsnorm"), or None, and the target
-    configuration fields it needs (biases to fold norm biases into, an untied LM head)."""
+    """The exact swap from `plain` to `target` (placement swaps of `PLACEMENT_SWAPS`, joined by " + " when layers
+    take several, or "layernorm->rmsnorm"), or None, and the target configuration fields it needs (biases to fold norm
+    biases into, an untied LM head)."""
     if any(goal != source for goal, source in norm_sources.items()):
         return None, {}
     same = ("position_embedding_type", "is_causal", "embedding_norm", "final_norm", "qk_norm", "norm_eps")
@@ -35,8 +48,8 @@ def plan_exact_swap(
     pairs = set(zip(plain.layer_norm_placements, target.layer_norm_placements))
     if plain.norm_type == target.norm_type:
         changed = {(before, after) for before, after in pairs if before != after}
-        if changed and changed <= {("post", "deepnorm"), ("deepnorm", "post")}:
-            return "post<->deepnorm", {}
+        if changed and changed <= set(PLACEMENT_SWAPS):
+            return " + ".join(sorted({PLACEMENT_SWAPS[pair] for pair in changed})), {}
         return None, {}
     pre_ln = pairs == {("pre", "pre")} and not plain.embedding_norm and not plain.qk_norm
     pre_ln = pre_ln and plain.first_attention_input_norm and plain.embedding_size == plain.hidden_size
@@ -70,15 +83,11 @@ def apply_exact_swap(
     kind: str, state: dict[str, torch.Tensor], plain: NormSwapConfig, target: NormSwapConfig, head: str
 ) -> dict:
     """Rewrites `state` (names as in a `NormSwapFor...` model, body under `model.`) for the exact swap `kind`."""
-    if kind == "post<->deepnorm":
-        return _rescale_branches(state, plain, target)
-    return _layernorm_to_rmsnorm(state, target, head)
-
-
-def _rescale_branches(state, plain, target):
+    if kind == "layernorm->rmsnorm":
+        return _layernorm_to_rmsnorm(state, target, head)
     for layer, (before, after) in enumerate(zip(plain.layer_norm_placements, target.layer_norm_placements)):
-        if before == after:
-            continue
+        if {before, after} != {"post", "deepnorm"}:
+            continue  # post -> admin: the residual weights start at 1; pre <-> lns: the input norms were rescaled
         scale = target.deepnorm_alpha if after == "deepnorm" else 1 / plain.deepnorm_alpha
         for projection in ("self_attn.o_proj", "mlp.down_proj"):
             for parameter in ("weight", "bias"):

@@ -49,6 +49,7 @@ def plan_conversion(*, source: str, options: ConvertOptions) -> ConversionPlan:
     plain = normswap_config(source_config)
     swaps = _swaps(plain, options, attention)
     target = normswap_config(source_config, **swaps)
+    _check_depth_scaling(plain, target)
     norm_sources = map_norms(source=plain, target=target, mapping=options.norm_mapping)
     exact_swap, exact_fields = plan_exact_swap(plain=plain, target=target, head=head, norm_sources=norm_sources)
     if exact_fields:
@@ -71,6 +72,16 @@ def plan_conversion(*, source: str, options: ConvertOptions) -> ConversionPlan:
         exact_swap=exact_swap,
         dtype=options.dtype,
     )
+
+
+def _check_depth_scaling(plain: NormSwapConfig, target: NormSwapConfig) -> None:
+    """LayerNorm Scaling (`lns`) is reached from pre-LN and left for pre-LN only, where the conversion is exact."""
+    for before, after in zip(plain.layer_norm_placements, target.layer_norm_placements):
+        if "lns" in (before, after) and before != after and {before, after} != {"pre", "lns"}:
+            raise ConversionError(
+                f"norm_placement: {before} -> {after} is not supported: LayerNorm Scaling ('lns') converts exactly "
+                f"from and to 'pre' only; convert to 'pre' first, then to {after!r}"
+            )
 
 
 def _read_config(folder: Path, expected_family: str | None) -> tuple[PreTrainedConfig, Family]:

@@ -24,7 +24,7 @@ from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
 
 
-NORMALISED_STREAM_PLACEMENTS = ("post", "pre_post", "deepnorm")
+NORMALISED_STREAM_PLACEMENTS = ("post", "pre_post", "deepnorm", "admin")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Streaming a source's tensors into the target's names and shards, and initialising what the source lacks."""
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from .options import ConversionError
 from .plan import ConversionPlan
 
 
+_INPUT_NORM = re.compile(r"model\.layers\.(\d+)\.(?:attention|mlp)_norms\.input_norm\.(?:weight|bias)")
 # Head modules a source may lack: `from_pretrained` initialises them when the written model is loaded.
 _HEAD_MODULES = ("classifier.", "pooler.", "head.", "qa_outputs.", "lm_head.")
 
@@ -102,6 +104,8 @@ def _target_tensors(plan: ConversionPlan, dropped: list[str]) -> Iterator[tuple[
                         dropped.append(f"{source_name} (a norm without a slot under the new placement)")
                         continue
                     name = f"{moved_norms[norm]}.{parameter}"
+                scale = _depth_scale(plan, name)
+                tensor = tensor if scale == 1.0 else tensor * scale
                 if plan.exact_swap:
                     collected[name] = tensor
                 else:
@@ -112,6 +116,17 @@ def _target_tensors(plan: ConversionPlan, dropped: list[str]) -> Iterator[tuple[
         )
         for name, tensor in swapped.items():
             yield name, tensor, plan.folder, f"{name} (after the {plan.exact_swap} swap)"
+
+
+def _depth_scale(plan: ConversionPlan, name: str) -> float:
+    """What a tensor is multiplied by on its way: sqrt(l) for the input norms of a layer at depth l going from pre to
+    lns (LayerNorm Scaling divides them by sqrt(l)), 1/sqrt(l) from lns to pre, else 1."""
+    match = _INPUT_NORM.fullmatch(name)
+    if not match:
+        return 1.0
+    layer = int(match[1])
+    placements = (plan.plain.layer_norm_placements[layer], plan.target.layer_norm_placements[layer])
+    return {("pre", "lns"): (layer + 1) ** 0.5, ("lns", "pre"): (layer + 1) ** -0.5}.get(placements, 1.0)
 
 
 def _renamed(plan: ConversionPlan, file: Path, source_name: str, tensor: torch.Tensor) -> list:
@@ -133,6 +148,8 @@ def _initial_value(
         return (torch.ones(shape) if parameter == "weight" else torch.zeros(shape)), "identity"
     if parameter == "bias" and f"{module}.weight" in written:
         return torch.zeros(shape), "zero: the source has no bias there"
+    if parameter == "residual_weight":
+        return torch.ones(shape), "Admin's residual weight at 1 (post-LN's function)"
     if parameter == "alpha":
         return torch.full(shape, target.dyt_alpha_init), f"dyt_alpha_init {target.dyt_alpha_init}"
     if name.endswith("embeddings.position_embeddings.weight"):

@@ -9,7 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 
 # Which of the three norm slots around a residual sublayer F a placement fills:
-#     x -> residual_norm(alpha * x + output_norm(F(input_norm(x))))
+#     x -> residual_norm(omega * x + output_norm(F(input_norm(x) * s)))
+# omega is 1, DeepNorm's constant alpha or Admin's learned vector; s is 1, or 1/sqrt(depth) for LayerNorm Scaling.
 NORM_PLACEMENTS = {
     "post": {"residual_norm"},
     "pre": {"input_norm"},
@@ -17,7 +18,10 @@ NORM_PLACEMENTS = {
     "pre_post": {"input_norm", "residual_norm"},
     "deepnorm": {"residual_norm"},
     "output": {"output_norm"},
+    "lns": {"input_norm"},
+    "admin": {"residual_norm"},
 }
+INITIALIZERS = ("normal", "xavier")
 NORM_TYPES = ("layernorm", "rmsnorm", "dyt")
 POSITION_EMBEDDING_TYPES = ("absolute", "sinusoidal", "rope", "alibi", "none")
 MLP_TYPES = ("standard", "glu")
@@ -125,6 +129,7 @@ _MODULE_CHECKS = (
         for field in ("attention_dropout", "hidden_dropout", "classifier_dropout")
     ),
     ("initializer_range", lambda value, config: value >= 0, "must be 0 or more"),
+    ("initializer", lambda value, config: value in INITIALIZERS, f"allowed are {list(INITIALIZERS)}"),
     (
         "pad_token_id",
         lambda value, config: value is None or 0 <= value < config.vocab_size,
@@ -144,9 +149,15 @@ class NormSwapConfig(PreTrainedConfig):
         Where the norms sit around each residual sublayer F, for all layers or one value per layer (Mix-LN, see
         [`mix_ln_placement`]). `"post"`: x = N(x + F(x)); `"pre"`: x = x + F(N(x)); `"sandwich"`:
         x = x + N(F(N(x))); `"pre_post"`: x = N(x + F(N(x))); `"deepnorm"`: x = N(a*x + F(x)) with a = (2L)^(1/4);
-        `"output"`: x = x + N(F(x)).
+        `"output"`: x = x + N(F(x)); `"lns"` (LayerNorm Scaling, Sun et al. 2025): x = x + F(N(x) / sqrt(l)) in the
+        layer at depth l = 1, 2, ...; `"admin"` (Liu et al. 2020): x = N(w * x + F(x)), w a learned per-feature vector
+        (1 at initialisation; see [`profile_admin`] for its profiled start).
     norm_type (`str`, defaults to `"layernorm"`):
         `"layernorm"` (with a bias when `norm_bias`), `"rmsnorm"` or `"dyt"` (Dynamic Tanh, g*tanh(a*x)+b).
+    initializer (`str`, defaults to `"normal"`):
+        How fresh attention and feed-forward weights start: `"normal"` (std `initializer_range`, as BERT) or
+        `"xavier"` (Xavier-normal, as Vaswani et al., Xiong et al., Liu et al. and Wang et al.); DeepNorm multiplies
+        the value, output and feed-forward weights by beta = (8L)^(-1/4) under both. Embeddings and heads stay normal.
     embedding_norm / final_norm (`bool`, *optional*):
         Norm after the embeddings / after the last layer. Default: an embedding norm when the first layer normalizes
         the residual stream after the sum (post, pre_post, deepnorm) or when the embeddings are projected, a final
@@ -221,6 +232,7 @@ class NormSwapConfig(PreTrainedConfig):
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
     initializer_range: float = 0.02
+    initializer: str = "normal"
 
     norm_placement: str | list[str] = "post"
     norm_type: str = "layernorm"
@@ -421,4 +433,4 @@ class NormSwapConfig(PreTrainedConfig):
 
 NormSwapConfig.register_for_auto_class()
 
-__all__ = ["NormSwapConfig", "mix_ln_placement", "NORM_PLACEMENTS", "LAYER_TYPES"]
+__all__ = ["NormSwapConfig", "mix_ln_placement", "NORM_PLACEMENTS", "LAYER_TYPES", "INITIALIZERS"]

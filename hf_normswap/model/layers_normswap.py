@@ -213,13 +213,17 @@ class NormSwapLayer(GradientCheckpointingLayer):
         self.attention_type = config.layer_types[layer_idx]
         self.self_attn = NormSwapAttention(config, layer_idx)
         attention_input_norm = layer_idx > 0 or config.first_attention_input_norm
-        self.attention_norms = ResidualNorms(config, placement=placement, input_norm=attention_input_norm)
+        depth = layer_idx + 1
+        self.attention_norms = ResidualNorms(config, placement, depth=depth, input_norm=attention_input_norm)
         self.mlp = MLP_CLASSES[config.mlp_type](config)
-        self.mlp_norms = ResidualNorms(config, placement=placement)
-        if placement == "deepnorm":
-            mlp_linears = [module for module in self.mlp.children() if isinstance(module, nn.Linear)]
-            for linear in (self.self_attn.v_proj, self.self_attn.o_proj, *mlp_linears):
-                linear.init_std_scale = config.deepnorm_beta
+        self.mlp_norms = ResidualNorms(config, placement, depth=depth)
+        beta = config.deepnorm_beta if placement == "deepnorm" else 1.0
+        attention = self.self_attn
+        for linear in (attention.q_proj, attention.k_proj):
+            linear.init_gain = 1.0
+        mlp_linears = [module for module in self.mlp.children() if isinstance(module, nn.Linear)]
+        for linear in (attention.v_proj, attention.o_proj, *mlp_linears):
+            linear.init_gain = beta
 
     def forward(
         self,

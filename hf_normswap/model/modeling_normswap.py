@@ -35,7 +35,7 @@ from .layers_normswap import (
     NormSwapMaskedLMHead,
     NormSwapPooler,
 )
-from .norms_normswap import NormSwapDyT, build_norm
+from .norms_normswap import NormSwapDyT, ResidualNorms, build_norm
 from .packed_sequences_normswap import (
     flash_varlen_kwargs,
     mask_padding,
@@ -79,8 +79,13 @@ class NormSwapPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
         super()._init_weights(module)
-        if isinstance(module, nn.Linear) and hasattr(module, "init_std_scale"):
-            init.normal_(module.weight, std=self.config.initializer_range * module.init_std_scale)
+        if isinstance(module, nn.Linear) and hasattr(module, "init_gain"):  # attention and feed-forward weights
+            if self.config.initializer == "xavier":
+                init.xavier_normal_(module.weight, gain=module.init_gain)
+            elif module.init_gain != 1.0:
+                init.normal_(module.weight, std=self.config.initializer_range * module.init_gain)
+        elif isinstance(module, ResidualNorms) and module.residual_weight is not None:
+            init.ones_(module.residual_weight)
         elif isinstance(module, NormSwapRotaryEmbedding):
             module.reset_frequencies()
         elif isinstance(module, NormSwapDyT):

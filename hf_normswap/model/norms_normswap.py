@@ -48,23 +48,29 @@ def build_norm(config: NormSwapConfig, size: int) -> nn.Module:
 class ResidualNorms(nn.Module):
     """The norms around one residual sublayer F, in the slots its placement fills:
 
-        x -> residual_norm(alpha * x + dropout(output_norm(F(input_norm(x)))))
+        x -> residual_norm(omega * x + dropout(output_norm(F(input_norm(x) * input_scale))))
 
-    An empty slot is the identity; alpha is 1 except for DeepNorm.
+    An empty slot is the identity. omega is 1, DeepNorm's alpha (`residual_scale`) or Admin's learned per-feature
+    `residual_weight`; `input_scale` is 1, or 1/sqrt(depth) for LayerNorm Scaling.
     """
 
-    def __init__(self, config: NormSwapConfig, placement: str, input_norm: bool = True):
+    def __init__(self, config: NormSwapConfig, placement: str, depth: int, input_norm: bool = True):
         super().__init__()
         slots = NORM_PLACEMENTS[placement] - (set() if input_norm else {"input_norm"})
         self.input_norm = build_norm(config, size=config.hidden_size) if "input_norm" in slots else nn.Identity()
         self.output_norm = build_norm(config, size=config.hidden_size) if "output_norm" in slots else nn.Identity()
         self.residual_norm = build_norm(config, size=config.hidden_size) if "residual_norm" in slots else nn.Identity()
+        self.input_scale = depth**-0.5 if placement == "lns" else 1.0
         self.residual_scale = config.deepnorm_alpha if placement == "deepnorm" else 1.0
+        self.residual_weight = nn.Parameter(torch.ones(config.hidden_size)) if placement == "admin" else None
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def normalize_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.input_norm(hidden_states)
+        hidden_states = self.input_norm(hidden_states)
+        return hidden_states if self.input_scale == 1.0 else hidden_states * self.input_scale
 
     def add_residual(self, residual: torch.Tensor, sublayer_output: torch.Tensor) -> torch.Tensor:
         branch = self.dropout(self.output_norm(sublayer_output))
+        if self.residual_weight is not None:
+            residual = residual * self.residual_weight
         return self.residual_norm(torch.add(branch, residual, alpha=self.residual_scale))
