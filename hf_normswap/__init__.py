@@ -20,6 +20,7 @@ from .model.modeling_normswap import (
     NormSwapPreTrainedModel,
 )
 from .model.packing import DataCollatorWithPacking
+from .sharding.accelerate_configs import accelerate_config
 
 
 __version__ = version("hf-normswap")
@@ -29,6 +30,7 @@ for _head, _model_class in HEAD_CLASSES.items():
     NATIVE_AUTO_CLASSES[_head].register(NormSwapConfig, _model_class)
 
 __all__ = [
+    "accelerate_config",
     "convert_checkpoint",
     "DataCollatorWithPacking",
     "heal_checkpoint",

@@ -16,6 +16,7 @@ LEVELS = {
     "tasks": 0,
     "model": 1,
     "probes": 2,
+    "sharding": 3,
     "convert": 3,
     "heal": 4,
     "compare": 5,
