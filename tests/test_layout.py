@@ -17,6 +17,7 @@ LEVELS = {
     "model": 1,
     "probes": 2,
     "convert": 3,
+    "sharding": 3,
     "heal": 4,
     "compare": 5,
     "hub": 6,
