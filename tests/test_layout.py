@@ -17,7 +17,7 @@ LEVELS = {
     "model": 1,
     "probes": 2,
     "convert": 3,
-    "sharding": 3,
+    "sharding": 2,
     "heal": 4,
     "compare": 5,
     "hub": 6,

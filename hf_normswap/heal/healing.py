@@ -22,7 +22,15 @@ from ..model import copy_remote_code
 from ..model.heads import head_of_config
 from ..probes.collapse import collapse_of_states
 from ..probes.next_token import greedy_agreement, greedy_prompts, next_token_agreement
-from ..sharding.fsdp import gathered, is_main_process, prepare_frozen, prepare_trained, resumable, unsharded
+from ..sharding.fsdp import (
+    gathered,
+    is_main_process,
+    prepare_frozen,
+    prepare_trained,
+    processes,
+    resumable,
+    unsharded,
+)
 from .data import HealTexts, heal_texts
 from .gradual_swap import GradualSwap, recorded_stream_rms
 from .measure import masked_lm_loss, measure, teacher_states
@@ -70,6 +78,7 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         shutil.rmtree(staging / "trainer", ignore_errors=True)
     if options.checkpoint_dir and main:
         shutil.rmtree(options.checkpoint_dir, ignore_errors=True)
+    processes().wait_for_everyone()  # under a distributed launch, until the main process has written OUTPUT
     if log:
         log(report.summary())
         log(f"wrote {output}")
