@@ -75,7 +75,8 @@ def next_token_kl(
 
 def token_log_probs(model: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
     """The causal LM's next-token log-probabilities (float32) for final states, as its head computes them."""
-    logits = model.get_output_embeddings()(states)
+    head = model.get_output_embeddings()
+    logits = head(states.to(head.weight.dtype))  # under mixed precision the head computes in its own dtype
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
