@@ -18,6 +18,7 @@ LEVELS = {
     "probes": 2,
     "sharding": 3,
     "convert": 3,
+    "sharding": 2,
     "heal": 4,
     "compare": 5,
     "hub": 6,

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import CheckpointError, read_tensors, weight_files
 from ..gguf import is_gguf, smollm2_gguf, write_gguf_checkpoint
+from ..sharding.fsdp import world_size
 from ..tasks import Task, load_task
 from .experiment import Experiment, Variant
 from .report import write_report
@@ -23,7 +24,18 @@ from .variants import Start, prepare_variant
 
 
 # What may change between runs into one OUTPUT.
-_RESUMABLE = ("seeds", "variants", "output", "reference", "report_to", "update_size_depths")
+# Sharding gives the results of one process (within rounding: docs/comparisons.md), so a rerun may shard or not.
+_RESUMABLE = (
+    "seeds",
+    "variants",
+    "output",
+    "reference",
+    "report_to",
+    "update_size_depths",
+    "fsdp",
+    "fsdp_config",
+    "activation_checkpointing",
+)
 SHIPPED_MODELS = {"smollm2": smollm2_gguf}  # names `model` may take for a model file a package ships
 
 
@@ -70,10 +82,11 @@ def run_comparison(experiment: Experiment) -> dict | None:
     runner = Runner(experiment=experiment, model=model, task=task, tokenizer=tokenizer, state=state)
     searched = [variant for variant in variants if len(experiment.grid(variant)) > 1]
     split = dev_split(train=runner.encoded["train"], fraction=experiment.dev_fraction) if searched else None
+    together = [variant for variant in variants if variant.heal and world_size() > 1]  # healed data-parallel
+    alone = [variant for variant in variants if variant not in together] + [variant.converted for variant in together]
     with state.main_process_first():
-        starts = _prepare(
-            variants, model=model, from_config=from_config, task=task, experiment=experiment, output=output
-        )
+        starts = _prepare(alone, model=model, from_config=from_config, task=task, experiment=experiment, output=output)
+    starts |= _prepare(together, model=model, from_config=from_config, task=task, experiment=experiment, output=output)
 
     search = _search(runner, starts, searched, split, output) if searched else None
     points = {

@@ -17,6 +17,7 @@ from ..convert.norm_mapping import NORM_MAPPINGS
 from ..convert.options import ATTENTIONS
 from ..heal import HealOptions
 from ..model.configuration_normswap import INITIALIZERS, NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
+from ..sharding import ShardingOptions
 from ..tasks import DATA_DIR
 
 
@@ -28,8 +29,11 @@ TRACKERS = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available
 NUMBER_SETTINGS = ("learning_rate", "warmup_ratio")  # the numbers a variant may pin
 VARIANT_SETTINGS = (*NUMBER_SETTINGS, "initializer")  # what `VARIANT@field=value` may pin
 HEAL_SUFFIX = "+heal"  # `pre+heal`: the converted variant is healed before fine-tuning
-HEAL_SETTINGS = tuple(  # the comparison names the teacher (its model) and the checkpoint folder itself
-    field.name for field in dataclasses.fields(HealOptions) if field.name not in ("teacher", "checkpoint_dir")
+SHARDING_SETTINGS = tuple(field.name for field in dataclasses.fields(ShardingOptions))  # the comparison's own
+HEAL_SETTINGS = tuple(  # the comparison names the teacher (its model), the checkpoint folder and the sharding itself
+    field.name
+    for field in dataclasses.fields(HealOptions)
+    if field.name not in ("teacher", "checkpoint_dir", *SHARDING_SETTINGS)
 )
 _PATH_FIELDS = ("model", "tokenizer", "task", "data_dir")  # relative to the experiment file when found there
 
@@ -58,8 +62,9 @@ def _option(
 
 
 @dataclasses.dataclass
-class Experiment:
-    """What to compare and how to train; every field is also a `--` option and a key of an experiment file."""
+class Experiment(ShardingOptions):
+    """What to compare and how to train (and the sharding of its trainings and healings: `ShardingOptions`); every
+    field is also a `--` option and a key of an experiment file."""
 
     model: str | None = _option(
         None,
@@ -185,7 +190,7 @@ class Experiment:
         for field in dataclasses.fields(self):
             setattr(self, field.name, _read(field.name, getattr(self, field.name), hints[field.name]))
         for field in dataclasses.fields(self):
-            for value in _numbers(getattr(self, field.name)) if field.metadata["rule"] else ():
+            for value in _numbers(getattr(self, field.name)) if field.metadata.get("rule") else ():
                 _check(field.name, value)
         if not self.variants:
             raise ValueError("variants is empty: name at least one variant")
@@ -203,7 +208,7 @@ class Experiment:
         """Lists that are given hold at least one value, and values that must differ do."""
         for field in dataclasses.fields(self):
             values = getattr(self, field.name)
-            if not field.metadata["distinct"] or values is None:
+            if not field.metadata.get("distinct") or values is None:
                 continue
             if not values:
                 raise ValueError(f"{field.name} is empty: give at least one value, or leave it out")
@@ -239,7 +244,7 @@ class Experiment:
     def _check_names(self) -> None:
         """Fields that take names take known ones, and the trackers named are installed."""
         for field in dataclasses.fields(self):
-            allowed, value = field.metadata["allowed"], getattr(self, field.name)
+            allowed, value = field.metadata.get("allowed"), getattr(self, field.name)
             for name in (value if isinstance(value, list) else [value]) if allowed and value is not None else ():
                 if name not in allowed:
                     raise ValueError(f"{field.name}={name!r} is invalid: allowed are {', '.join(allowed)}")

@@ -23,6 +23,7 @@ from transformers import (
 from ..model.packing import DataCollatorWithPacking
 from ..probes.collapse import collapse_profile
 from ..probes.diagnostics import DiagnosticsCallback
+from ..sharding.fsdp import prepare_trained, trainer_arguments
 from ..tasks import Task, unigram_loss
 from .experiment import Experiment, Variant
 from .metrics import load_metric
@@ -120,7 +121,8 @@ class Runner:
 
     def _train(self, start, variant, seed, point, train, evaluation, run_dir: Path) -> RunResult:
         model, admin_profile = self.build(start, seed)
-        args = self._arguments(point, seed, run_dir)
+        prepare_trained(model, self.experiment)  # sharded across the processes with `fsdp` (on CPU; see `sharding`)
+        args = self._arguments(point, seed, run_dir, model)
         probe = self.collator([evaluation[i] for i in range(min(PROBE_SIZE, len(evaluation)))])
         probe = {name: values.tolist() for name, values in probe.items()}
         source_collapse = self._source_collapse(start, probe)
@@ -153,9 +155,10 @@ class Runner:
             admin_profile=admin_profile,
         )
 
-    def _arguments(self, point: dict, seed: int, run_dir: Path) -> TrainingArguments:
+    def _arguments(self, point: dict, seed: int, run_dir: Path, model: torch.nn.Module) -> TrainingArguments:
+        """The run's training arguments, with the experiment's sharding and mixed precision (`trainer_arguments`)."""
         experiment = self.experiment
-        return TrainingArguments(
+        arguments = dict(
             output_dir=str(run_dir),
             run_name=run_dir.name if run_dir.parent.name == "runs" else f"search-{run_dir.name}",
             learning_rate=point["learning_rate"],
@@ -174,6 +177,7 @@ class Runner:
             restore_callback_states_from_checkpoint=True,
             use_cpu=not torch.accelerator.is_available(),
         )
+        return TrainingArguments(**{**arguments, **trainer_arguments(experiment, model)})
 
     def _final_metrics(self, history: list[dict]) -> tuple[dict, bool]:
         """The last evaluation's figures, and whether the run failed."""

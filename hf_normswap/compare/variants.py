@@ -17,8 +17,10 @@ from ..model.admin import profile_admin
 from ..model.configuration_normswap import NormSwapConfig, mix_ln_placement
 from ..model.heads import head_of_config
 from ..model.modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
+from ..sharding import ShardingOptions
+from ..sharding.fsdp import resumable
 from ..tasks import Task
-from .experiment import Experiment, Variant
+from .experiment import SHARDING_SETTINGS, Experiment, Variant
 
 
 HEAL_SUMMARY = (  # what a comparison keeps of a healing's heal.json, beside its first and last measurements
@@ -128,14 +130,16 @@ def _healed(model: str, variant: Variant, task: Task, experiment: Experiment, ou
     )
     folder = output / "variants" / variant.start_folder
     if not (folder / "heal.json").exists():
+        sharding = {name: getattr(experiment, name) for name in SHARDING_SETTINGS}
+        resumable_healing = resumable(ShardingOptions(**sharding))
         heal_checkpoint(
             variant=converted.path,
             output=str(folder),
             teacher=model,
-            checkpoint_dir=str(output / "healing" / variant.start_folder),
+            checkpoint_dir=str(output / "healing" / variant.start_folder) if resumable_healing else None,
             overwrite=True,
             log=None,
-            **{"packing": experiment.packing, **(experiment.heal or {})},
+            **{"packing": experiment.packing, **(experiment.heal or {}), **sharding},
         )
     record = json.loads((folder / "heal.json").read_text())
     summary = {key: record.get(key) for key in HEAL_SUMMARY}  # a heal.json of an older version lacks some

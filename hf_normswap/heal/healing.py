@@ -6,10 +6,12 @@ steps: data -> trainer -> measure -> save. Which objective, learning rate, dropo
 measured on all-MiniLM-L6-v2 (post -> pre): docs/experiments/healing.md.
 """
 
+import contextlib
 import json
 import shutil
+import tempfile
 import time
-from collections.abc import Sized
+from collections.abc import Iterator, Sized
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,11 +22,20 @@ from ..model import copy_remote_code
 from ..model.heads import head_of_config
 from ..probes.collapse import collapse_of_states
 from ..probes.next_token import greedy_agreement, greedy_prompts, next_token_agreement
+from ..sharding.fsdp import (
+    gathered,
+    is_main_process,
+    prepare_frozen,
+    prepare_trained,
+    processes,
+    resumable,
+    unsharded,
+)
 from .data import HealTexts, heal_texts
 from .gradual_swap import GradualSwap, recorded_stream_rms
 from .measure import masked_lm_loss, measure, teacher_states
 from .models import HealModels, load_models, memory_settings
-from .options import HealOptions
+from .options import HealError, HealOptions
 from .report import HealData, HealReport, MaskedLMLoss, NextTokenAgreement, plot_history
 from .trainer import HealProbeCallback, HealTrainer, training_arguments
 
@@ -35,7 +46,9 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     `options` are the fields of `HealOptions`. With `checkpoint_dir`, the Trainer keeps resumable checkpoints there
     and a rerun continues from the last one. With `packing`, student and teacher run on padding-free batches. With
     `dropout`, the student trains with the dropout of its configuration, else with none (saved unchanged). With
-    `freeze_embeddings`, the student's embeddings (and a masked-LM decoder tied to them) are not trained.
+    `freeze_embeddings`, the student's embeddings (and a masked-LM decoder tied to them) are not trained. With `fsdp`
+    under a distributed launch, student and teacher are sharded across the processes (`sharding`); the main process
+    writes.
     """
     options = HealOptions(**options)
     check_output(output, overwrite)
@@ -44,17 +57,28 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         stream_rms = recorded_stream_rms(Path(variant), options.swap_schedule)
     models = load_models(variant, options)
     options = options.for_head(head_of_config(models.student.config))
+    if options.fsdp and options.data == "teacher" and options.sample_count is None:
+        raise HealError("data='teacher' with fsdp=True needs sample_count: texts are sampled once, before sharding")
+    if options.checkpoint_dir and not resumable(options):
+        raise HealError(
+            "checkpoint_dir is invalid with fsdp=True on CPU: the Trainer cannot resume a model sharded there"
+        )
     tokenizer = AutoTokenizer.from_pretrained(variant)
     texts = heal_texts(options=options, tokenizer=tokenizer, teacher=models.teacher)
-    with output_folder(output, overwrite) as staging:
+    prepare_trained(models.student, options)
+    prepare_frozen(models.teacher, options)
+    main = is_main_process()
+    log = log if main else None
+    with output_folder(output, overwrite) if main else _scratch_folder() as staging:
         work = Path(options.checkpoint_dir) if options.checkpoint_dir else staging / "trainer"
         report = _heal(
             models, texts, tokenizer=tokenizer, options=options, work=work, quiet=log is None, stream_rms=stream_rms
         )
-        _save(models, source=Path(variant), staging=staging, report=report)
+        _save(models, source=Path(variant), staging=staging, report=report, main=main)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
-    if options.checkpoint_dir:
+    if options.checkpoint_dir and main:
         shutil.rmtree(options.checkpoint_dir, ignore_errors=True)
+    processes().wait_for_everyone()  # under a distributed launch, until the main process has written OUTPUT
     if log:
         log(report.summary())
         log(f"wrote {output}")
@@ -70,10 +94,12 @@ def _heal(
     quiet: bool,
     stream_rms: list[float] | None,
 ) -> HealReport:
-    """Trains the student, measured on the held-out batches before, every fifth of the way and after."""
-    teacher = teacher_states(models.teacher, texts.held_out)
-    before = measure(models.student, texts.held_out, teacher)
-    head_before = _head_figures(models, texts.held_out, tokenizer)
+    """Trains the student, measured on the held-out batches before, every fifth of the way and after (by every
+    process, when sharded)."""
+    with gathered(models.student, models.teacher):
+        teacher = teacher_states(models.teacher, texts.held_out)
+        before = measure(models.student, texts.held_out, teacher)
+        head_before = _head_figures(models, texts.held_out, tokenizer)
     probe = HealProbeCallback(texts.held_out, teacher, every=max(1, options.max_steps // 5))
     probe.history.append({"step": 0, **before[-1]})
     callbacks = [probe]
@@ -82,10 +108,11 @@ def _heal(
     log_history, seconds, resumed = _train(models, texts, options, callbacks=callbacks, work=work, quiet=quiet)
     for callback in callbacks[1:]:
         callback.remove()  # the saved student is the target placement
-    after = measure(models.student, texts.held_out, teacher)
+    with gathered(models.student, models.teacher):
+        after = measure(models.student, texts.held_out, teacher)
+        head_after = _head_figures(models, texts.held_out, tokenizer, prompts=head_before["prompts"])
+        masked_lm, next_token = _head_results(models, texts.held_out, tokenizer, before=head_before, after=head_after)
     probe.history.append({"step": options.max_steps, **after[-1]})
-    head_after = _head_figures(models, texts.held_out, tokenizer, prompts=head_before["prompts"])
-    masked_lm, next_token = _head_results(models, texts.held_out, tokenizer, before=head_before, after=head_after)
     return HealReport(
         teacher=models.teacher_id,
         data=HealData(
@@ -152,7 +179,7 @@ def _train(
     returns the Trainer's log, the seconds it trained and whether it resumed."""
     trainer = HealTrainer(
         model=models.student,
-        args=training_arguments(options=options, output_dir=work, quiet=quiet),
+        args=training_arguments(options=options, output_dir=work, quiet=quiet, student=models.student),
         train_dataset=texts.train,
         data_collator=texts.collator,
         teacher=models.teacher,
@@ -166,14 +193,23 @@ def _train(
     return trainer.state.log_history, time.perf_counter() - started, resumed
 
 
-def _save(models: HealModels, source: Path, staging: Path, report: HealReport) -> None:
-    """The healed student (its adapters merged in) with its configured dropout (without the weights the variant
-    initialises at load), its code, tokenizer and sentence-transformers modules, conversion.json (lineage included)
-    with the healing added, heal.json and heal.png."""
+@contextlib.contextmanager
+def _scratch_folder() -> Iterator[Path]:
+    """A temporary folder for a process that does not write (not the main one), removed after."""
+    with tempfile.TemporaryDirectory() as folder:
+        yield Path(folder)
+
+
+def _save(models: HealModels, source: Path, staging: Path, report: HealReport, main: bool) -> None:
+    """The healed student (its adapters merged in, gathered whole from its shards) with its configured dropout
+    (without the weights the variant initialises at load), its code, tokenizer and sentence-transformers modules,
+    conversion.json (lineage included) with the healing added, heal.json and heal.png; by the main process."""
     record = source / "conversion.json"
     conversion = json.loads(record.read_text()) if record.exists() else None
     at_load = set(conversion["weights"]["initialized_at_load"]) if conversion else set()
-    student = models.healed_student()
+    student = unsharded(models.healed_student())  # every process joins the gather
+    if not main:
+        return
     student.config.update(models.configured_dropout)
     state = {name: tensor for name, tensor in student.state_dict().items() if name not in at_load}
     student.save_pretrained(staging, state_dict=state)

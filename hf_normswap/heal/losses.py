@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..probes.collapse import POOLINGS, pool
+from ..sharding.fsdp import chunk_count, gathered
 
 
 def comparable(student: tuple, teacher: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -63,16 +64,19 @@ def next_token_kl(
 ):
     """The mean over rows of KL(teacher || student) of the next-token distributions that the two causal LMs' heads
     give the final states (rows, hidden). Computed `TOKENS_PER_CHUNK` rows at a time, each chunk's logits recomputed
-    in the backward pass, so that memory holds one chunk's logits whatever the vocabulary."""
+    in the backward pass, so that memory holds one chunk's logits whatever the vocabulary. Under data parallelism
+    every process runs as many chunks (some may be empty), gathering a sharded teacher's head for each."""
     total = states.new_zeros((), dtype=torch.float32)
-    for rows, teacher_rows in zip(states.split(TOKENS_PER_CHUNK), teacher_states.split(TOKENS_PER_CHUNK)):
+    chunks = chunk_count(len(states), TOKENS_PER_CHUNK, states.device)
+    for rows, teacher_rows in zip(states.tensor_split(chunks), teacher_states.tensor_split(chunks)):
         total = total + checkpoint(_chunk_kl, student, teacher, rows, teacher_rows, use_reentrant=False)
     return total / max(1, len(states))
 
 
 def token_log_probs(model: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
     """The causal LM's next-token log-probabilities (float32) for final states, as its head computes them."""
-    logits = model.get_output_embeddings()(states)
+    head = model.get_output_embeddings()
+    logits = head(states.to(head.weight.dtype))  # under mixed precision the head computes in its own dtype
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
@@ -80,7 +84,7 @@ def token_log_probs(model: torch.nn.Module, states: torch.Tensor) -> torch.Tenso
 
 
 def _chunk_kl(student, teacher, rows: torch.Tensor, teacher_rows: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
+    with torch.no_grad(), gathered(teacher):
         target = token_log_probs(teacher, teacher_rows)
     return F.kl_div(token_log_probs(student, rows), target, log_target=True, reduction="sum")
 

@@ -3,6 +3,8 @@ checks."""
 
 from dataclasses import dataclass, field, replace
 
+from ..sharding import ShardingOptions
+
 
 OBJECTIVES = ("hidden", "cka", "similarity", "mlm", "kl")
 SWAP_SCHEDULES = ("direct", "gate", "layers")
@@ -40,8 +42,8 @@ class HealError(ValueError):
 
 
 @dataclass
-class HealOptions:
-    """The teacher, the text and the training of a healing."""
+class HealOptions(ShardingOptions):
+    """The teacher, the text and the training of a healing (and its sharding: `ShardingOptions`)."""
 
     teacher: str | None = field(
         default=None,
@@ -120,6 +122,9 @@ class HealOptions:
     )
 
     def __post_init__(self):
+        super().__post_init__()
+        if self.fsdp and self.lora:
+            raise HealError("lora=True is invalid with fsdp=True: adapters are not sharded; heal with one of them")
         if self.objective not in (None, *OBJECTIVES):
             raise HealError(f"objective={self.objective!r} is invalid: allowed are {list(OBJECTIVES)}")
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):

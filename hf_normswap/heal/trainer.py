@@ -1,12 +1,19 @@
 """The Trainer that heals: its loss is the distance of the student's boundary states to the teacher's, on the same
-batch (padding-free with `packing`); a callback measures the student on held-out text along the way."""
+batch (padding-free with `packing`); a callback measures the student on held-out text along the way.
+
+Under data parallelism (or FSDP2: `sharding`) each process's loss is its mean over its own tokens weighted by its
+share of the global batch's tokens, so that the processes' averaged gradient is that of one process taking the whole
+batch (exactly so for `hidden` and `kl`; the batch-level terms of `similarity`, `cka` and `mlm` stay per process).
+"""
 
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..model.packing import pack_padded, unpack
+from ..sharding.fsdp import gathered, token_share, trainer_arguments
 from .losses import heal_loss, masked_lm_distillation, next_token_kl
 from .measure import measure
 from .options import HealOptions
@@ -18,7 +25,9 @@ class HealTrainer(Trainer):
 
     def __init__(self, *args, teacher: torch.nn.Module, objective: str, packing: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.teacher = teacher.to(self.args.device).eval()
+        if not isinstance(teacher, FSDPModule):  # a sharded teacher is placed already
+            teacher = teacher.to(self.args.device)
+        self.teacher = teacher.eval()  # not the student's submodule: the Trainer never trains it
         self.objective = objective
         self.packing = packing
 
@@ -31,15 +40,18 @@ class HealTrainer(Trainer):
         with torch.no_grad():
             teacher = _outputs(self.teacher, packed, index, token_logits=labels is not None, **keep)
         student = _outputs(model, packed, index, token_logits=labels is not None, **keep)
-        mask = inputs["attention_mask"]
+        mask = inputs["attention_mask"].to(self.args.device)
+        tokens = token_share(mask.sum(), self.args.device)
         objective = "hidden" if self.objective == "kl" else self.objective
-        loss = heal_loss(objective, student.hidden_states, teacher.hidden_states, mask)
+        loss = heal_loss(objective, student.hidden_states, teacher.hidden_states, mask) * tokens
         if labels is not None:  # masked-LM distillation on the masked tokens
-            loss = loss + masked_lm_distillation(student.logits, teacher.logits, labels=labels)
+            masked = token_share((labels != -100).sum(), self.args.device)
+            loss = loss + masked_lm_distillation(student.logits, teacher.logits, labels=labels) * masked
         if self.objective == "kl":
-            real = mask.bool().to(self.args.device)
+            real = mask.bool()
             final, teacher_final = student.hidden_states[-1][real], teacher.hidden_states[-1][real]
-            loss = loss + next_token_kl(model, self.teacher, final, teacher_final)
+            head = self.accelerator.unwrap_model(model)  # a DDP wrapper hides the head
+            loss = loss + next_token_kl(head, self.teacher, final, teacher_final) * tokens
         return (loss, student) if return_outputs else loss
 
 
@@ -54,10 +66,12 @@ def _outputs(model: torch.nn.Module, batch: dict, index: torch.Tensor | None, to
     return outputs
 
 
-def training_arguments(*, options: HealOptions, output_dir: Path, quiet: bool) -> TrainingArguments:
+def training_arguments(
+    *, options: HealOptions, output_dir: Path, quiet: bool, student: torch.nn.Module
+) -> TrainingArguments:
     """The Trainer's arguments: 10% warm-up then linear decay, seeded; resumable checkpoints only in the options'
-    `checkpoint_dir`."""
-    return TrainingArguments(
+    `checkpoint_dir`; the student's sharding and mixed precision (`trainer_arguments`)."""
+    arguments = dict(
         output_dir=str(output_dir),
         max_steps=options.max_steps,
         learning_rate=options.learning_rate,
@@ -75,6 +89,7 @@ def training_arguments(*, options: HealOptions, output_dir: Path, quiet: bool) -
         disable_tqdm=quiet,
         use_cpu=not torch.accelerator.is_available(),
     )
+    return TrainingArguments(**{**arguments, **trainer_arguments(options, student)})
 
 
 class HealProbeCallback(TrainerCallback):
@@ -85,5 +100,6 @@ class HealProbeCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every == 0 and state.global_step < state.max_steps:
-            last = measure(model, self.batches, self.teacher_states)[-1]
+            with gathered(model):  # every process measures (a sharded student needs them all)
+                last = measure(model, self.batches, self.teacher_states)[-1]
             self.history.append({"step": state.global_step, **last})

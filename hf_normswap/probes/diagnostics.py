@@ -7,6 +7,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..model.evaluation_mode import evaluation_mode
+from ..sharding.fsdp import gathered
 from .collapse import collapse_profile
 
 
@@ -86,7 +87,8 @@ class DiagnosticsCallback(TrainerCallback, ExportableState):
         with evaluation_mode(model):
             rms = residual_rms(model, self._probe(model), self.num_layers, backward=True)
             self.records.append({"step": 0, **layer_gradient_norms(model, self.num_layers), "residual_rms": rms})
-            self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
+            with gathered(model):  # a sharded model's root, for its base model alone
+                self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
             model.zero_grad(set_to_none=True)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
@@ -98,7 +100,8 @@ class DiagnosticsCallback(TrainerCallback, ExportableState):
             return
         with evaluation_mode(model):
             self.records[-1]["residual_rms"] = residual_rms(model, self._probe(model), self.num_layers)
-            self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
+            with gathered(model):
+                self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
 
     def _probe(self, model) -> dict:
         device = next(model.parameters()).device

@@ -1,0 +1,168 @@
+"""FSDP2 (`fully_shard`) for a model the Trainer trains and for a frozen model run beside it (a healing's teacher).
+
+A model is sharded block by block (each of its `_no_split_modules` but the one holding the input embeddings, e.g.
+every `NormSwapLayer`), then as a whole: the root's unit holds the embeddings, the final norm and a language-model head
+(tied or not), which stay together. On accelerators the Trainer's own FSDP2 (through accelerate) shards the trained
+model; on CPU accelerate takes no FSDP plugin (it trains with DDP instead), so the model is sharded here and marked as
+owning its placement and gradient reduction, which keeps the Trainer from wrapping it in DDP.
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from accelerate import PartialState
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+from ..model.evaluation_mode import evaluation_mode
+from .options import ShardingOptions
+
+
+def processes() -> PartialState:
+    """The processes of the launch (torchrun or accelerate launch), their group started if it was not (gloo on
+    CPU), as the Trainer starts it."""
+    return PartialState(cpu=not torch.accelerator.is_available())
+
+
+def world_size() -> int:
+    """The number of processes of the distributed launch (1 without one)."""
+    return processes().num_processes
+
+
+def is_main_process() -> bool:
+    return processes().is_main_process
+
+
+def accelerate_shards() -> bool:
+    """Whether the Trainer shards the trained model itself (accelerate's FSDP plugin): on accelerators only."""
+    return torch.accelerator.is_available()
+
+
+def sharded(options: ShardingOptions) -> bool:
+    """Whether `options` shard across more than one process."""
+    return options.fsdp and world_size() > 1
+
+
+def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
+    """`model` sharded in place across the processes: each block its own FSDP2 unit, then the root; in bfloat16
+    mixed precision with `bf16` (gradients reduced in float32)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mp_policy": policy} if policy else {}
+    for block in blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    # Transformers finds what a model's forward may record (hidden states) by its class's name, which FSDP2 changes
+    _CAN_RECORD_REGISTRY[model] = getattr(model, "_can_record_outputs", None)
+    # FSDP2 takes the first unit that runs forward for the root: run the whole model once, so that its submodules
+    # (`base_model`, the head) may run alone after
+    with torch.no_grad(), evaluation_mode(model):
+        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+    model.reshard()
+    model._is_distributed_loading_by_transformers = True  # the Trainer then neither moves nor DDP-wraps it
+    return model
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of `model`: modules of its `_no_split_modules` classes, but the one holding the input
+    embeddings (the root's unit keeps them with a head that may be tied to them)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    embeddings = model.get_input_embeddings()
+    return [
+        module
+        for module in model.modules()
+        if type(module).__name__ in names and not any(m is embeddings for m in module.modules())
+    ]
+
+
+def block_class_names(model: torch.nn.Module) -> list[str]:
+    """The class names of `blocks(model)`: what accelerate wraps as units."""
+    return sorted({type(module).__name__ for module in blocks(model)})
+
+
+def prepare_trained(model: torch.nn.Module, options: ShardingOptions) -> torch.nn.Module:
+    """The model the Trainer trains: sharded here on CPU, left to the Trainer on accelerators."""
+    if sharded(options) and not accelerate_shards():
+        shard(model, bf16=options.bf16)
+    return model
+
+
+def prepare_frozen(model: torch.nn.Module, options: ShardingOptions) -> torch.nn.Module:
+    """A model that only runs forward beside the trained one (a teacher): in evaluation mode, without gradients,
+    sharded across the processes with `fsdp`."""
+    model.eval().requires_grad_(False)
+    if sharded(options):
+        if accelerate_shards():
+            model.to(torch.accelerator.current_accelerator())
+        shard(model, bf16=options.bf16)
+    return model
+
+
+def trainer_arguments(options: ShardingOptions, model: torch.nn.Module) -> dict:
+    """The TrainingArguments `options` set: mixed precision, activation checkpointing, and on accelerators the
+    Trainer's FSDP2 (the `fsdp_config` file, or each of the model's blocks a unit). On CPU, a model sharded here (see
+    `shard`) cannot be resumed by the Trainer, so it saves no checkpoints (`resumable`)."""
+    arguments = {"bf16": options.bf16, "activation_checkpointing": options.activation_checkpointing}
+    if sharded(options) and accelerate_shards():
+        config = options.fsdp_config or {"version": 2, "transformer_layer_cls_to_wrap": block_class_names(model)}
+        arguments.update(fsdp=True, fsdp_config=config)
+    elif not resumable(options):
+        arguments.update(save_strategy="no")
+    return arguments
+
+
+def resumable(options: ShardingOptions) -> bool:
+    """Whether the Trainer can keep resumable checkpoints of a training with `options`: not of a model sharded here."""
+    return not sharded(options) or accelerate_shards()
+
+
+@contextlib.contextmanager
+def gathered(*models: torch.nn.Module) -> Iterator[None]:
+    """The root units of the sharded `models` gathered for the block (their embeddings, final norm and head), so that
+    their submodules (`base_model`, a head) run outside the models' own forward; resharded after. Every process must
+    enter it."""
+    roots = [model for model in models if isinstance(model, FSDPModule)]
+    for root in roots:
+        root.unshard()
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.reshard()
+
+
+def unsharded(model: torch.nn.Module) -> torch.nn.Module | None:
+    """`model` itself when it is not sharded; else, gathered from its shards (every process joining), a plain model
+    of its class holding its full weights on CPU, on the main process (None elsewhere): what gets saved."""
+    if not isinstance(model, FSDPModule):
+        return model
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main_process():
+        return None
+    plain_class = next(kind for kind in type(model).__mro__ if not issubclass(kind, FSDPModule))
+    plain = plain_class._from_config(model.config, dtype=model.dtype)
+    plain.load_state_dict(state)
+    return plain
+
+
+def token_share(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """This process's share of the global batch's `count` (e.g. of its real tokens), times the number of processes:
+    the weight that turns a mean over this process's items into its part of the mean over every process's items
+    (the Trainer averages the processes' gradients and logged losses)."""
+    count = torch.as_tensor(count, dtype=torch.float32, device=device)
+    if world_size() == 1:
+        return torch.ones((), device=device)
+    total = count.clone()
+    dist.all_reduce(total)
+    return count * world_size() / total.clamp_min(1)
+
+
+def chunk_count(rows: int, chunk: int, device: torch.device) -> int:
+    """How many chunks of at most `chunk` rows every process splits its `rows` into: the most any process needs, so
+    that all of them run a sharded model's head (and its gathers) as often."""
+    count = torch.tensor(max(1, -(-rows // chunk)), device=device)
+    if world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)

@@ -1,0 +1,39 @@
+"""How a training is spread over the processes of a distributed launch: one declaration for heal's and compare's
+options, the experiment's keys and the checks."""
+
+from dataclasses import dataclass, field
+
+
+class ShardingError(ValueError):
+    """Sharding that cannot be done, said in one line."""
+
+
+@dataclass
+class ShardingOptions:
+    """FSDP2 sharding, mixed precision and activation checkpointing of a training."""
+
+    fsdp: bool = field(
+        default=False,
+        metadata={
+            "help": "shard the trained model (and a healing's teacher) across the processes of a distributed launch "
+            "with FSDP2 (torchrun, or accelerate launch on GPUs); one process trains unsharded"
+        },
+    )
+    fsdp_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --fsdp on GPUs: a JSON file of the Trainer's fsdp_config; default: FSDP2 with each decoder "
+            "layer its own unit"
+        },
+    )
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bfloat16 mixed precision (float32 weights, gradients reduced in float32)"},
+    )
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute the layers' activations in the backward pass to save memory"}
+    )
+
+    def __post_init__(self):
+        if self.fsdp_config is not None and not self.fsdp:
+            raise ShardingError(f"fsdp_config={self.fsdp_config!r} needs fsdp: pass --fsdp too")

@@ -1,0 +1,61 @@
+"""Heals the tiny variants named on the command line, under `torchrun` on CPU with any number of processes, with
+`fsdp`; rank 0 writes, per healing, what the teacher was at every step (training mode, gradients, optimizer
+membership) to the JSON file named on the command line.
+
+Run by `tests/test_sharding.py`: 2 sharded processes with PER_DEVICE texts each must heal as 1 process with
+2 * PER_DEVICE does (no dropout, the same texts making up every step)."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_normswap import heal_checkpoint
+from hf_normswap.heal.trainer import HealTrainer
+
+
+STEPS = 4
+teacher_record = []
+
+
+def training_step(self, model, inputs, num_items_in_batch=None):
+    loss = original_step(self, model, inputs, num_items_in_batch)
+    in_optimizer = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+    teacher = list(self.teacher.parameters())
+    teacher_record.append(
+        {
+            "training": self.teacher.training,
+            "grads": sum(p.grad is not None for p in teacher),
+            "requires_grad": sum(p.requires_grad for p in teacher),
+            "in_optimizer": sum(id(p) in in_optimizer for p in teacher),
+            "student_training": model.training,
+        }
+    )
+    return loss
+
+
+original_step = HealTrainer.training_step
+HealTrainer.training_step = training_step
+
+
+if __name__ == "__main__":
+    folder, record, per_device = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    results = {}
+    for name, objective in (("tied", "kl"), ("untied", "kl"), ("bert", "hidden")):
+        teacher_record.clear()
+        heal_checkpoint(
+            str(folder / name / "variant"),
+            str(folder / name / f"healed-{per_device}"),
+            data=str(folder / "text.txt"),
+            objective=objective,
+            max_steps=STEPS,
+            learning_rate=1e-3,
+            batch_size=per_device,
+            eval_size=8,
+            fsdp=True,
+            log=None,
+        )
+        results[name] = list(teacher_record)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        record.write_text(json.dumps(results, indent=1))

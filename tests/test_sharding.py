@@ -1,0 +1,171 @@
+"""Healing and comparisons sharded across processes with FSDP2 (`hf_normswap.sharding`), on CPU: 2 processes of
+torchrun with gloo against 1 process with the whole batch.
+
+Tolerance: 1e-5 on every logged loss, gradient norm, final weight and measurement. Sharding changes only the order
+of float32 sums (all-gathers are exact; a reduce-scatter averages 2 partial gradients; token counts are reduced
+across processes), which moves results by a few float32 roundings (about 1e-7 here), far below 1e-5."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_normswap import convert_checkpoint, heal_checkpoint
+from hf_normswap.cli import main as cli
+from hf_normswap.sharding import ShardingOptions
+from hf_normswap.sharding.options import ShardingError
+
+from helpers import SENTENCES, save_source, tensors, tiny_task
+
+
+TESTS = Path(__file__).parent
+
+
+TOLERANCE = 1e-5
+# A key bias shifts every score of a query alike, which softmax ignores: its gradient is zero but for rounding,
+# which Adam scales up to steps of the learning rate's size in either run. Its weights are not compared.
+ZERO_GRADIENT = "k_proj.bias"
+
+
+def torchrun(*arguments, processes: int, cwd: Path) -> subprocess.CompletedProcess:
+    """Runs `arguments` (a tests/ script, or -m and a module) under `torchrun --standalone` on CPU, importing this
+    checkout's hf_normswap."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+    }
+    process = subprocess.run(
+        [*command, *map(str, arguments)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    return process
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """Tiny LLaMAs with a tied and an untied head converted to post-LN (causal), a BERT converted to pre-LN, and a
+    text file to heal them on."""
+    folder = tmp_path_factory.mktemp("sharding")
+    sources = {
+        "tied": ("llama", "ForCausalLM", {"tie_word_embeddings": True}),
+        "untied": ("llama", "ForCausalLM", {"tie_word_embeddings": False}),
+        "bert": ("bert", "Model", {}),
+    }
+    for name, (family, head, fields) in sources.items():
+        save_source(folder / name / "source", family, head, initializer_range=0.2, **fields)
+        causal = {"attention": "causal"} if family == "llama" else {}
+        convert_checkpoint(
+            str(folder / name / "source"),
+            str(folder / name / "variant"),
+            norm_placement="post" if family == "llama" else "pre",
+            calibrate=False,
+            log=lambda line: None,
+            **causal,
+        )
+    (folder / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def healed(variants):
+    """Each variant healed by 2 sharded processes with 4 texts each, and by 1 process with 8 (both with --fsdp)."""
+    script = TESTS / "distributed_heal.py"
+    torchrun(script, variants, variants / "two.json", 4, processes=2, cwd=variants)
+    torchrun(script, variants, variants / "one.json", 8, processes=1, cwd=variants)
+    return variants
+
+
+def _logged(folder, key: str) -> list[float]:
+    history = json.loads((folder / "heal.json").read_text())["log_history"]
+    return [entry[key] for entry in history if key in entry and "train_loss" not in entry]
+
+
+@pytest.mark.parametrize("name", ["tied", "untied", "bert"])
+def test_sharded_healing_equals_one_process_step_by_step(healed, name):
+    two, one = healed / name / "healed-4", healed / name / "healed-8"
+    for key in ("loss", "grad_norm"):
+        got, expected = _logged(two, key), _logged(one, key)
+        assert len(got) == len(expected) == 4
+        assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
+    got, expected = tensors(two), tensors(one)
+    assert got.keys() == expected.keys()  # the full model: a tied head saved once, as unsharded
+    moved = max((got[k] - tensors(healed / name / "variant")[k]).abs().max().item() for k in got if "layers" in k)
+    assert moved > 1e-3  # it trained
+    assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE
+    report, reference = (json.loads((folder / "heal.json").read_text()) for folder in (two, one))
+    for boundary, expected_boundary in zip(report["after"], reference["after"]):
+        assert abs(boundary["mse"] - expected_boundary["mse"]) <= TOLERANCE
+        assert abs(boundary["token_cosine"] - expected_boundary["token_cosine"]) <= TOLERANCE
+
+
+def test_the_teacher_never_trains(healed):
+    for run in ("two", "one"):
+        record = json.loads((healed / f"{run}.json").read_text())
+        for name, steps in record.items():
+            assert len(steps) == 4, (run, name)
+            for step in steps:
+                assert step["student_training"] and not step["training"], (run, name, step)
+                assert step["grads"] == step["requires_grad"] == step["in_optimizer"] == 0, (run, name, step)
+
+
+def test_sharding_options_are_checked(variants, tmp_path, capsys):
+    with pytest.raises(ShardingError, match="fsdp_config='fsdp.json' needs fsdp"):
+        ShardingOptions(fsdp_config="fsdp.json")
+    arguments = ["heal", str(variants / "tied" / "variant"), str(tmp_path / "out"), "--fsdp", "--lora"]
+    assert cli(arguments) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "hf-normswap heal: error: lora=True is invalid with fsdp=True: adapters are not sharded; heal with one of them"
+    ]
+    assert cli([*arguments[:-1], "--max-steps", "2"]) == 1  # the causal default data: texts sampled as they go
+    assert "needs sample_count" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_fsdp_in_one_process_heals_unsharded(variants, tmp_path):
+    """Without a distributed launch --fsdp has nothing to shard across: the healing is the plain one."""
+    settings = dict(data=str(variants / "text.txt"), objective="hidden", max_steps=2, batch_size=4, eval_size=8)
+    heal_checkpoint(str(variants / "bert" / "variant"), str(tmp_path / "fsdp"), fsdp=True, log=None, **settings)
+    heal_checkpoint(str(variants / "bert" / "variant"), str(tmp_path / "plain"), log=None, **settings)
+    got, expected = tensors(tmp_path / "fsdp"), tensors(tmp_path / "plain")
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_sharded_comparison_equals_one_process(tmp_path):
+    """`compare --fsdp` under 2 processes with 4 examples each trains and evaluates as 1 process with 8."""
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
+    save_source(tmp_path / "bert", "bert", "Model", initializer_range=0.2, **no_dropout)
+    task = tiny_task(tmp_path / "task", rows=32)
+    options = dict(model=str(tmp_path / "bert"), task=str(task), text_columns=["text"], variants=["post", "pre+heal"])
+    options.update(seeds=1, epochs=1, learning_rate=1e-3, logging_steps=1)
+    arguments = [
+        f"--{name.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for name, v in options.items()
+    ]
+    heal = {"max_steps": 2, "eval_size": 8, "objective": "hidden"}  # no batch-level terms: see docs/healing.md
+    two = ["--batch-size=4", "--heal", json.dumps({**heal, "batch_size": 4}), "--fsdp", f"--output={tmp_path / 'two'}"]
+    assert (
+        torchrun("-m", "hf_normswap.cli", "compare", *arguments, *two, processes=2, cwd=tmp_path).stdout.count(
+            "report:"
+        )
+        == 1
+    )
+    # the reference under torchrun too: the Trainer shuffles through accelerate's sampler there, as with 2 processes
+    one = ["--batch-size=8", "--heal", json.dumps({**heal, "batch_size": 8}), f"--output={tmp_path / 'one'}"]
+    torchrun("-m", "hf_normswap.cli", "compare", *arguments, *one, processes=1, cwd=tmp_path)
+    got, expected = (json.loads((tmp_path / run / "results.json").read_text())["runs"] for run in ("two", "one"))
+    assert [run["variant"] for run in got] == [run["variant"] for run in expected] == ["post", "pre+heal"]
+    for run, reference in zip(got, expected):
+        losses = [[entry["loss"] for entry in r["log_history"] if "loss" in entry] for r in (run, reference)]
+        assert len(losses[0]) == len(losses[1]) == 4
+        assert max(abs(a - b) for a, b in zip(*losses)) <= TOLERANCE, losses
+        assert run["metrics"].keys() == reference["metrics"].keys()
+        for key in ("loss", "accuracy"):
+            assert abs(run["metrics"][key] - reference["metrics"][key]) <= TOLERANCE, (key, run, reference)
+    assert got[1]["heal"]["after"] == pytest.approx(expected[1]["heal"]["after"], abs=TOLERANCE)
