@@ -6,6 +6,7 @@ The options of convert, heal and compare are the fields of their option dataclas
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -163,10 +164,32 @@ def _add_heal(commands) -> None:
     parser.add_argument("variant", help="a NormSwap checkpoint folder written by convert")
     parser.add_argument("output", help="folder to write")
     add_options(parser, HealOptions)
+    _add_plan(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
 
 
+def _add_plan(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory each process will hold, from the configurations (nothing loads), and exit",
+    )
+    parser.add_argument(
+        "--processes", type=_positive, help="with --plan: how many processes (default: the launch's, else 1)"
+    )
+
+
+def _processes(args) -> int:
+    return args.processes or int(os.environ.get("WORLD_SIZE", 1))
+
+
 def _run_heal(args) -> None:
+    if args.plan:
+        from .heal.plan import heal_plan
+        from .sharding.memory_plan import describe_plan
+
+        print(describe_plan(heal_plan(args.variant, HealOptions(**given(args, HealOptions)), _processes(args))))
+        return
     from .heal import heal_checkpoint
 
     heal_checkpoint(args.variant, args.output, overwrite=args.overwrite, **given(args, HealOptions))
@@ -194,6 +217,7 @@ def _add_compare(commands) -> None:
         "options given here take precedence",
     )
     add_options(parser, Experiment, shown=types.SimpleNamespace(**shown))
+    _add_plan(parser)
 
 
 def _run_compare(args) -> None:
@@ -202,6 +226,12 @@ def _run_compare(args) -> None:
     options = given(args, Experiment)
     base = args.config or (DEFAULT_EXPERIMENT if args.model is None else None)
     experiment = Experiment.from_file(base, **options) if base else Experiment(**options)
+    if args.plan:
+        from .compare.plan import comparison_plan
+        from .sharding.memory_plan import describe_plan
+
+        print(describe_plan(comparison_plan(experiment, _processes(args))))
+        return
     document = run_comparison(experiment)
     if document is not None:
         print(f"report: {Path(experiment.output) / 'report.md'}")

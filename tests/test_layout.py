@@ -16,7 +16,6 @@ LEVELS = {
     "tasks": 0,
     "model": 1,
     "probes": 2,
-    "sharding": 3,
     "convert": 3,
     "sharding": 2,
     "heal": 4,
