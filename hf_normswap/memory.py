@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -48,3 +50,8 @@ def peak_memory() -> Iterator[Peak]:
     else:
         top, peak.method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss"  # kB on Linux
     peak.mib = max(top - start, 0) / 2**20
+
+
+def available_memory() -> int:
+    """The memory, in bytes, that can be used without swapping (Linux's MemAvailable)."""
+    return psutil.virtual_memory().available

@@ -27,6 +27,7 @@ from ..model.evaluation_mode import evaluation_mode
 from ..model.heads import HEAD_CLASSES
 from ..probes.probe_data import probe_batches, probe_tokenizer
 from .layer_stream import LayerStream
+from .lazy_layers import folder_loaders, lazy_of, load_layer
 from .norm_mapping import NormSlot, norm_slots
 from .refit import RIDGE, MedianSample, WriteFit, augmented, centred, least_squares_ratios, set_write
 from .stream_calibration import calibrate_stream, calibrates_stream
@@ -60,17 +61,19 @@ def calibrate_checkpoint(
     log,
     size: int = CALIBRATION_SIZE,
     batch_size: int = CALIBRATION_BATCH_SIZE,
+    model: nn.Module | None = None,
 ) -> tuple[CalibrationRecord, set[str]]:
     """Calibrates the model written in FOLDER against the unswapped source (`source_model`): out of pre-LN into a
     stream its norms write (`stream_calibration`), or by scaling the writes of `sublayers` and refitting its linear
     writes. Calibrates on `size` sentences (the training sample, repeated beyond its length), `batch_size` at a time.
-    Returns what was done and the names of the tensors it changed."""
-    model = HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32)
+    `model` is the written model, loaded whole or with lazy layers (`lazy_layers`; its changes are written back as
+    its layers are dropped); loaded whole by default. Returns what was done and the names of the tensors it changed."""
+    if model is None:
+        model = HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32)
     tokenizer = probe_tokenizer(folder)
     batches = probe_batches(
         tokenizer=tokenizer, vocab_size=model.config.vocab_size, size=size, batch_size=batch_size, split="train"
     )
-    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     stream_rms, modules = None, list(sublayers.values())
     if calibrates_stream(source_model.config, target):
         calibration = calibrate_stream(model, source_model, batches)
@@ -78,11 +81,11 @@ def calibrate_checkpoint(
     else:
         sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
         scales, errors = calibrate_writes(model, sublayers, batches, source_model, sources)
-    changed = {name: tensor for name, tensor in model.state_dict().items() if not torch.equal(tensor, before[name])}
+    changed = _write_back(model, folder)
     if stream_rms is not None:
         prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
-        modules = list(dict.fromkeys(name.removeprefix(prefix).rsplit(".", 1)[0] for name in changed))
-    update_tensors(folder=folder, tensors=changed)
+        ordered = [name for name in model.state_dict() if name in changed]  # forward order
+        modules = list(dict.fromkeys(name.removeprefix(prefix).rsplit(".", 1)[0] for name in ordered))
     data = f"{size} random token sequences"
     if tokenizer:
         data = f"the {size} sentences of the shipped SST-2 training sample" + (
@@ -102,7 +105,22 @@ def calibrate_checkpoint(
         modules=modules,
         stream_rms=stream_rms,
     )
-    return record, set(changed)
+    return record, changed
+
+
+def _write_back(model: nn.Module, folder: Path) -> set[str]:
+    """Writes the tensors of `model` that differ from FOLDER's into its shards; returns their names."""
+    lazy = lazy_of(model)
+    if lazy is not None:
+        return lazy.close()
+    loaders = folder_loaders(folder)
+    changed = {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if name in loaders and not torch.equal(tensor, loaders[name]().float())
+    }
+    update_tensors(folder=folder, tensors=changed)
+    return set(changed)
 
 
 def calibrated_sublayers(
@@ -177,6 +195,7 @@ def calibrate_writes(
     try:
         with evaluation_mode(model):
             for index in range(len(base.layers)):
+                load_layer(base, index)
                 for name in [name for name in sublayers if name.startswith(f"layers.{index}.")]:
                     target = targets.get(name)
                     if target is not None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
+from .lazy_layers import load_layer
 from .refit import MedianSample
 
 
@@ -122,6 +123,8 @@ def calibrate_stream(model: nn.Module, source: nn.Module, batches: list[dict]) -
     _set_norm(base.embeddings.norm, None)
     targets, sources = _sublayers(model), _sublayers(source)
     for index, ((norms, readers, write), (source_norms, _, _)) in enumerate(zip(targets, sources)):
+        load_layer(base, index // 2)
+        load_layer(source.base_model, index // 2)
         if isinstance(norms.input_norm, nn.Identity):
             _fold(source_norms.input_norm, readers)
         else:
