@@ -34,7 +34,7 @@ def add_options(parser: argparse.ArgumentParser, options: type, shown=None) -> N
             help = f"{help} (default: {default})".lstrip()
         help = help.replace("%", "%%")  # argparse formats help with %
         flag = "--" + field.name.replace("_", "-")
-        if hints[field.name] is bool:
+        if hints[field.name] in (bool, bool | None):  # --name / --no-name; not given: None
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=help)
             continue
         read = field.metadata.get("parse") or _reader(hints[field.name])

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 from hf_normswap import NormSwapModel, convert_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.convert import calibration
-from hf_normswap.convert.calibration import _median_ratio, _refit, calibrate_writes
+from hf_normswap.convert import refit
+from hf_normswap.convert.calibration import calibrate_writes
+from hf_normswap.convert.refit import MedianSample, WriteFit, augmented, least_squares_ratios, set_write
 from hf_normswap.probes.probe_data import probe_batches, probe_tokenizer
 
 from helpers import save_source, tensors
@@ -58,9 +59,7 @@ def test_calibrated_post_to_pre_keeps_more_of_the_function(tmp_path, placement):
     assert sorted(record["modules"]) == expected
     if placement == "pre":
         # Every write refitted, each nearer its target than the scaled write; and refitting beats scaling alone.
-        assert (
-            sorted(record["refit_errors"]) == sorted(record["write_scales"]) and record["ridge"] == calibration.RIDGE
-        )
+        assert sorted(record["refit_errors"]) == sorted(record["write_scales"]) and record["ridge"] == refit.RIDGE
         assert all(after < before for before, after in record["refit_errors"].values()), record["refit_errors"]
         scaled = scaled_only(tmp_path / "plain", record["write_scales"])
         with torch.no_grad():
@@ -83,13 +82,13 @@ def scaled_only(folder, write_scales):
     checks the scaling (the first scale is the recorded one: later ones follow the refitted writes before them)."""
     model = NormSwapModel.from_pretrained(folder).eval()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    batch = probe_batches(probe_tokenizer(folder), 0, size=704, batch_size=704, split="train")[0]
+    batches = probe_batches(probe_tokenizer(folder), 0, size=704, batch_size=64, split="train")
     sublayers = {
         f"layers.{i}.{s}": f"layers.{i}.{m}"
         for i in range(2)
         for s, m in (("attention_norms", "self_attn.o_proj"), ("mlp_norms", "mlp.down_proj"))
     }
-    scales, errors = calibrate_writes(model, sublayers, batch)
+    scales, errors = calibrate_writes(model, sublayers, batches)
     assert scales["layers.0.attention_norms"] == pytest.approx(write_scales["layers.0.attention_norms"], rel=1e-5)
     assert errors == {} and sorted(scales) == sorted(write_scales)
     scale, source_bias = scales["layers.1.attention_norms"], before["layers.1.attention_norms.input_norm.bias"]
@@ -115,12 +114,16 @@ def test_a_refit_solves_the_least_squares_problem_and_the_ridge_holds_it(monkeyp
     generator = torch.Generator().manual_seed(0)
     inputs, stream, target = (torch.randn(200, n, generator=generator, dtype=torch.float64) for n in (5, 4, 4))
     for ridge in (1e-12, 1e12):
-        monkeypatch.setattr(calibration, "RIDGE", ridge)
+        monkeypatch.setattr(refit, "RIDGE", ridge)
         writer = torch.nn.Linear(5, 4, dtype=torch.float64)
         start = torch.cat([writer.weight.detach().T, writer.bias.detach()[None]])
         with torch.no_grad():
             reached = centred(stream + writer(inputs))
-            before, after = _refit(writer, inputs, stream, target, torch.nn.LayerNorm(4))
+            fit = WriteFit(augmented(writer), torch.nn.LayerNorm(4))
+            for first in range(0, 200, 64):  # summed over batches of tokens
+                fit.add(inputs[first : first + 64], stream[first : first + 64], target[first : first + 64])
+            refitted, before, after = fit.solve(scale=1.0)
+            set_write(writer, refitted)
         fitted = torch.cat([writer.weight.detach().T, writer.bias.detach()[None]])
         rows = torch.cat([inputs, torch.ones(200, 1, dtype=torch.float64)], dim=1)
         length = (reached * centred(target)).sum(-1, keepdim=True) / centred(target).pow(2).sum(-1, keepdim=True)
@@ -134,10 +137,16 @@ def test_a_refit_solves_the_least_squares_problem_and_the_ridge_holds_it(monkeyp
             assert torch.allclose(fitted, start, atol=1e-9) and after == pytest.approx(before, rel=1e-8)
 
 
+def median_ratio(stream, normalised) -> float:
+    sample = MedianSample()
+    sample.add(least_squares_ratios(stream, normalised))
+    return sample.median()
+
+
 def test_the_scale_is_the_median_least_squares_ratio():
     stream = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
-    assert _median_ratio(stream, stream / 2) == pytest.approx(2.0)
-    assert _median_ratio(torch.tensor([[1.0], [10.0], [2.0]]), torch.ones(3, 1)) == pytest.approx(2.0)  # not the mean
+    assert median_ratio(stream, stream / 2) == pytest.approx(2.0)
+    assert median_ratio(torch.tensor([[1.0], [10.0], [2.0]]), torch.ones(3, 1)) == pytest.approx(2.0)  # not the mean
 
 
 def test_calibration_keeps_the_shards_dtype(tmp_path):

@@ -60,7 +60,7 @@ def test_stream_calibration_exact_when_every_token_has_the_calibrated_rms(llama,
     )
     model = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "shifted").eval()
     batch = {"input_ids": torch.full((4, 1), 7), "attention_mask": torch.ones(4, 1, dtype=torch.long)}
-    record = calibrate_stream(model, source, batch)
+    record = calibrate_stream(model, source, [batch])
     assert len(record.stream_rms) == 2 * 2 + 1 and len(record.write_scales) == 4
     expected = _logits(source, batch["input_ids"])
     assert (_logits(model, batch["input_ids"]) - expected).abs().max() <= 1e-4 * expected.abs().max()
@@ -80,7 +80,7 @@ def test_stream_calibration_folds_layernorm_biases_exactly(tmp_path, placement):
     source = load_unswapped(str(tmp_path / "gpt2"), head="causal-lm")
     model = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "shifted").eval()
     batch = {"input_ids": torch.full((3, 1), 11), "attention_mask": torch.ones(3, 1, dtype=torch.long)}
-    calibrate_stream(model, source, batch)
+    calibrate_stream(model, source, [batch])
     expected = _logits(source, batch["input_ids"])
     assert (_logits(model, batch["input_ids"]) - expected).abs().max() <= 1e-4 * expected.abs().max()
 

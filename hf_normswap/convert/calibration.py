@@ -20,20 +20,21 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..checkpoint import update_tensors
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
 from ..model.heads import HEAD_CLASSES
 from ..probes.probe_data import probe_batches, probe_tokenizer
+from .layer_stream import LayerStream
+from .lazy_layers import folder_loaders, lazy_of, load_layer
 from .norm_mapping import NormSlot, norm_slots
+from .refit import RIDGE, MedianSample, WriteFit, augmented, centred, least_squares_ratios, set_write
 from .stream_calibration import calibrate_stream, calibrates_stream
 
 
 CALIBRATION_SIZE = 704  # the shipped SST-2 training sample, all of it
-# times the mean diagonal of the write inputs' Gram matrix; chosen on held-out text (docs/experiments/calibration.md)
-RIDGE = 1.0
+CALIBRATION_BATCH_SIZE = 64  # sentences per forward pass: memory holds one batch's activations
 
 
 @dataclass
@@ -58,37 +59,38 @@ def calibrate_checkpoint(
     norm_sources: dict[str, str | None],
     sublayers: dict[str, str],
     log,
+    size: int = CALIBRATION_SIZE,
+    batch_size: int = CALIBRATION_BATCH_SIZE,
+    model: nn.Module | None = None,
 ) -> tuple[CalibrationRecord, set[str]]:
     """Calibrates the model written in FOLDER against the unswapped source (`source_model`): out of pre-LN into a
     stream its norms write (`stream_calibration`), or by scaling the writes of `sublayers` and refitting its linear
-    writes. Returns what was done and the names of the tensors it changed."""
-    model = HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32)
+    writes. Calibrates on `size` sentences (the training sample, repeated beyond its length), `batch_size` at a time.
+    `model` is the written model, loaded whole or with lazy layers (`lazy_layers`; its changes are written back as
+    its layers are dropped); loaded whole by default. Returns what was done and the names of the tensors it changed."""
+    if model is None:
+        model = HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32)
     tokenizer = probe_tokenizer(folder)
-    batch = probe_batches(
-        tokenizer=tokenizer,
-        vocab_size=model.config.vocab_size,
-        size=CALIBRATION_SIZE,
-        batch_size=CALIBRATION_SIZE,
-        split="train",
-    )[0]
-    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    batches = probe_batches(
+        tokenizer=tokenizer, vocab_size=model.config.vocab_size, size=size, batch_size=batch_size, split="train"
+    )
     stream_rms, modules = None, list(sublayers.values())
     if calibrates_stream(source_model.config, target):
-        calibration = calibrate_stream(model, source_model, batch)
+        calibration = calibrate_stream(model, source_model, batches)
         scales, errors, stream_rms = calibration.write_scales, {}, calibration.stream_rms
     else:
         sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
-        scales, errors = calibrate_writes(model, sublayers, batch, source_sums(source_model, sources, batch))
-    changed = {name: tensor for name, tensor in model.state_dict().items() if not torch.equal(tensor, before[name])}
+        scales, errors = calibrate_writes(model, sublayers, batches, source_model, sources)
+    changed = _write_back(model, folder)
     if stream_rms is not None:
         prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
-        modules = list(dict.fromkeys(name.removeprefix(prefix).rsplit(".", 1)[0] for name in changed))
-    update_tensors(folder=folder, tensors=changed)
-    data = (
-        f"the {CALIBRATION_SIZE} sentences of the shipped SST-2 training sample"
-        if tokenizer
-        else f"{CALIBRATION_SIZE} random token sequences"
-    )
+        ordered = [name for name in model.state_dict() if name in changed]  # forward order
+        modules = list(dict.fromkeys(name.removeprefix(prefix).rsplit(".", 1)[0] for name in ordered))
+    data = f"{size} random token sequences"
+    if tokenizer:
+        data = f"the {size} sentences of the shipped SST-2 training sample" + (
+            f" (its {CALIBRATION_SIZE}, repeated)" if size > CALIBRATION_SIZE else ""
+        )
     log(
         f"calibrated the writes of {len(scales)} sublayers on {data} "
         f"(scales {min(scales.values()):.3g} to {max(scales.values()):.3g})"
@@ -103,7 +105,22 @@ def calibrate_checkpoint(
         modules=modules,
         stream_rms=stream_rms,
     )
-    return record, set(changed)
+    return record, changed
+
+
+def _write_back(model: nn.Module, folder: Path) -> set[str]:
+    """Writes the tensors of `model` that differ from FOLDER's into its shards; returns their names."""
+    lazy = lazy_of(model)
+    if lazy is not None:
+        return lazy.close()
+    loaders = folder_loaders(folder)
+    changed = {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if name in loaders and not torch.equal(tensor, loaders[name]().float())
+    }
+    update_tensors(folder=folder, tensors=changed)
+    return set(changed)
 
 
 def calibrated_sublayers(
@@ -155,129 +172,95 @@ def fitted_sources(
     return sources
 
 
-@torch.no_grad()
-def source_sums(source: nn.Module, norms: dict[str, str], batch: dict) -> dict[str, torch.Tensor]:
-    """The input of each of the source's `norms` (sublayer -> norm name) over the batch's real tokens, in float32."""
-    real = batch["attention_mask"].bool()
-    base, sums = source.base_model, {}
-    hooks = [
-        base.get_submodule(norm.removeprefix("model.")).register_forward_pre_hook(
-            lambda module, args, sublayer=sublayer: sums.__setitem__(sublayer, args[0][real].float())
-        )
-        for sublayer, norm in norms.items()
-    ]
-    try:
-        base(**batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return sums
-
-
-def _centred(states: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """States less their mean over features where `norm` removes it (LayerNorm)."""
-    return states - states.mean(-1, keepdim=True) if isinstance(norm, nn.LayerNorm) else states
-
-
-def _median_ratio(stream: torch.Tensor, normalised: torch.Tensor) -> float:
-    """The median over rows of the least-squares c in stream ~ c * normalised."""
-    return ((stream * normalised).sum(-1) / normalised.pow(2).sum(-1).clamp_min(1e-12)).median().item()
-
-
 def _bias(norm: nn.Module) -> torch.Tensor | None:
     return getattr(norm, "bias", None)
 
 
-def _refit(
-    writer: nn.Linear, inputs: torch.Tensor, stream: torch.Tensor, target: torch.Tensor, norm: nn.Module
-) -> tuple[float, float]:
-    """Refits `writer` in place so that stream + writer(inputs), as `norm` sees it, lies along `target` token by token
-    (each token keeping the length the current write gives it); rows are real tokens. Returns the relative error
-    before and after."""
-    inputs, stream, target = inputs.double(), _centred(stream.double(), norm), _centred(target.double(), norm)
-    if writer.bias is not None:
-        inputs = torch.cat([inputs, inputs.new_ones(len(inputs), 1)], dim=1)
-    current = (
-        writer.weight.double().T
-        if writer.bias is None
-        else torch.cat([writer.weight.double().T, writer.bias.double()[None]])
-    )
-    reached = _centred(stream + inputs @ current, norm)
-    wanted = (
-        target * (reached * target).sum(-1, keepdim=True) / target.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
-        - stream
-    )
-    gram = inputs.T @ inputs
-    ridge = RIDGE * gram.diagonal().mean()
-    prior = _centred(current, norm)  # the part of the write that the norm sees
-    fitted = torch.linalg.solve(
-        gram + ridge * torch.eye(len(gram), dtype=gram.dtype), inputs.T @ wanted + ridge * prior
-    )
-    fitted = fitted + current - prior
-
-    def error(weights: torch.Tensor) -> float:
-        return ((_centred(inputs @ weights, norm) - wanted).pow(2).sum() / wanted.pow(2).sum().clamp_min(1e-12)).item()
-
-    writer.weight.copy_(fitted[: writer.in_features].T)
-    if writer.bias is not None:
-        writer.bias.copy_(fitted[-1])
-    return error(current), error(fitted)
-
-
 @torch.no_grad()
 def calibrate_writes(
-    model: nn.Module, sublayers: dict[str, str], batch: dict, targets: dict[str, torch.Tensor] | None = None
+    model: nn.Module,
+    sublayers: dict[str, str],
+    batches: list[dict],
+    source: nn.Module | None = None,
+    targets: dict[str, str] | None = None,
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Scales the writes of `sublayers` (from `calibrated_sublayers`) in place, fitted on one padded `batch` in a
-    single forward pass, and refits the linear writes that have `targets` (from `source_sums`). Returns each
-    sublayer's scale and each refitted write's relative error before and after."""
-    real = batch["attention_mask"].bool()
+    """Scales the writes of `sublayers` (from `calibrated_sublayers`) in place, point after point in forward order,
+    each fitted on all `batches` (run layer by layer: `layer_stream`), and refits the linear writes that have
+    `targets` (from `fitted_sources`) towards what the `source` feeds those norms. Returns each sublayer's scale and
+    each refitted write's relative error before and after."""
     base, targets = model.base_model, targets or {}
-    scales, hooks, branch_norm_scales, streams, errors = {}, [], {}, {}, {}
-
-    def scale_write(name: str):
-        writer = base.get_submodule(sublayers[name])
-
-        def hook(norm, args):
-            stream, bias = args[0][real].float(), _bias(norm)
-            normalised = norm.forward(stream) - (0 if bias is None else bias)
-            scale = scales[name] = _median_ratio(_centred(stream, norm), _centred(normalised, norm))
-            if name in targets:
-                streams[name] = (stream, norm)
-            if not isinstance(writer, nn.Linear):  # a branch norm: set when it runs
-                branch_norm_scales[writer] = (scale, bias)
-                return
-            writer.weight.mul_(scale)
-            if writer.bias is not None:
-                writer.bias.copy_(scale * (writer.bias if bias is None else writer.bias + bias))
-
-        return hook
-
-    def scale_branch_norm(norm, args):
-        scale, source_bias = branch_norm_scales.pop(norm)
-        spread = _centred(args[0][real].float(), norm).pow(2).mean(-1).sqrt().median().item()
-        norm.weight.fill_(scale * spread)
-        if _bias(norm) is not None:  # then the read norm, of the same configuration, has one too
-            norm.bias.copy_(scale * source_bias)
-
-    def refit_write(name: str):
-        def hook(writer, args, output):
-            stream, norm = streams.pop(name)
-            errors[name] = list(_refit(writer, args[0][real], stream, targets[name], norm))
-            return F.linear(args[0], writer.weight, writer.bias)
-
-        return hook
-
-    for name, written in sublayers.items():
-        hooks.append(base.get_submodule(name).input_norm.register_forward_pre_hook(scale_write(name)))
-        if written.endswith("output_norm"):
-            hooks.append(base.get_submodule(written).register_forward_pre_hook(scale_branch_norm))
-        elif name in targets:
-            hooks.append(base.get_submodule(written).register_forward_hook(refit_write(name)))
+    written = LayerStream(base, batches)
+    reference = LayerStream(source.base_model, batches) if targets else None
+    scales, errors = {}, {}
     try:
         with evaluation_mode(model):
-            base(**batch)
+            for index in range(len(base.layers)):
+                load_layer(base, index)
+                for name in [name for name in sublayers if name.startswith(f"layers.{index}.")]:
+                    target = targets.get(name)
+                    if target is not None:
+                        reference.advance(int(target.split(".")[2]))  # "model.layers.{j}...."
+                    scales[name], error = _fit_point(written, name, sublayers[name], reference, target)
+                    if error is not None:
+                        errors[name] = error
+                written.advance()
+    finally:
+        written.close()
+        if reference is not None:
+            reference.close()
+    return scales, errors
+
+
+def _fit_point(
+    written: LayerStream, name: str, writer_name: str, reference: LayerStream | None, target: str | None
+) -> tuple[float, list[float] | None]:
+    """Fits the scale of the write of sublayer `name` (and refits it towards the input of the source's norm
+    `target`) on one pass of its layer over every batch; returns the scale and the refit's errors."""
+    base = written.base
+    norm, writer = base.get_submodule(name).input_norm, base.get_submodule(writer_name)
+    bias, ratios, spreads = _bias(norm), MedianSample(), MedianSample()
+    fit = WriteFit(augmented(writer, bias), norm) if target is not None else None
+    current = {}
+
+    def real(states: torch.Tensor, stream: LayerStream = written) -> torch.Tensor:
+        return states[stream.batch["attention_mask"].bool()].float()
+
+    def read(norm, args):
+        stream = current["stream"] = real(args[0])
+        normalised = norm.forward(stream) - (0 if bias is None else bias)
+        ratios.add(least_squares_ratios(centred(stream, norm), centred(normalised, norm)))
+
+    def write(writer, args, output):
+        fit.add(real(args[0]), current["stream"], current["target"])
+
+    hooks = [norm.register_forward_pre_hook(read)]
+    if fit is not None:
+        aim = reference.base.get_submodule(target.removeprefix("model."))
+        hooks.append(aim.register_forward_pre_hook(lambda _, args: current.update(target=real(args[0], reference))))
+        hooks.append(writer.register_forward_hook(write))
+    elif not isinstance(writer, nn.Linear):  # a branch norm
+        hooks.append(
+            writer.register_forward_pre_hook(
+                lambda module, args: spreads.add(centred(real(args[0]), module).pow(2).mean(-1).sqrt())
+            )
+        )
+    try:
+        for index in range(len(written.batches)):
+            if fit is not None:
+                reference.output(index)
+            written.output(index)
     finally:
         for hook in hooks:
             hook.remove()
-    return scales, errors
+    scale = ratios.median()
+    if fit is not None:
+        refitted, before, after = fit.solve(scale)
+        set_write(writer, refitted)
+        return scale, [before, after]
+    if isinstance(writer, nn.Linear):
+        set_write(writer, scale * augmented(writer, bias))
+    else:  # the sandwich branch norm takes the scale as its gain, times the median spread of what it normalises
+        writer.weight.fill_(scale * spreads.median())
+        if _bias(writer) is not None:  # then the read norm, of the same configuration, has one too
+            writer.bias.copy_(scale * bias)
+    return scale, None

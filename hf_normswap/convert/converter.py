@@ -7,18 +7,30 @@ from importlib.metadata import version
 from pathlib import Path
 
 from huggingface_hub import ModelCard
+from torch import nn
 from transformers import AutoTokenizer
 
 from ..checkpoint import TOKENIZER_FILES, check_output, copy_companion_files, output_folder
 from ..gguf import local_checkpoint
+from ..memory import available_memory, peak_memory
 from ..model import copy_remote_code
 from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers
 from .norm_mapping import norm_slots
 from .options import ConversionError, ConvertOptions
 from .plan import ConversionPlan, plan_conversion
 from .stream_calibration import calibrates_stream
-from .verification import Tolerance, Verification, load_plain, tolerance, verify_conversion
+from .verification import (
+    Tolerance,
+    Verification,
+    load_unswapped_model,
+    load_written,
+    tolerance,
+    verify_conversion,
+)
 from .weights import WeightsRecord, write_weights
+
+
+WHOLE_MODEL_COPIES = 6  # the source's weights held whole: three models in float32 (from 16 bits: twice the files)
 
 
 @dataclass
@@ -49,6 +61,18 @@ class TokenizerRecord:
 
 
 @dataclass
+class MemoryRecord:
+    """The peak resident memory of each stage above the memory at its start, in MiB (None: the stage did not run),
+    and how it was measured (`memory.peak_memory`), and whether the models were held whole."""
+
+    write_mib: float
+    calibrate_mib: float | None
+    verify_mib: float | None
+    measured_by: str
+    low_memory: bool  # calibration and verification ran one layer at a time (`ConvertOptions.low_memory`)
+
+
+@dataclass
 class ConversionRecord:
     """What conversion.json holds: what was converted into what, how, and what verification found."""
 
@@ -66,6 +90,7 @@ class ConversionRecord:
     notes: list[str]
     weights: WeightsRecord
     tokenizer: TokenizerRecord
+    memory: MemoryRecord
     verification: Verification  # its fields sit at the top level of conversion.json
 
     def to_dict(self) -> dict:
@@ -96,28 +121,31 @@ def convert_checkpoint(source: str, output: str, *, overwrite: bool = False, log
 def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, overwrite: bool, log) -> dict:
     """Writes, calibrates, verifies and records the conversion `plan` in OUTPUT; returns the conversion report."""
     with output_folder(output=output, overwrite=overwrite) as staging:
-        weights, tokenizer, target_config = _write(plan, staging)
-        sublayers, calibrate = {}, options.calibrate and not plan.exact_swap
-        if calibrate:
-            sublayers = calibrated_sublayers(
-                target=plan.target, norm_sources=plan.norm_sources, source_slots=norm_slots(plan.plain)
-            )
-            calibrate = bool(sublayers) or calibrates_stream(plan.plain, plan.target)
-        plain_model = None
-        if options.verify or calibrate:
-            plain_model = load_plain(plain=plan.plain, head=plan.head, family=plan.family, files=plan.files)
-        calibration = _calibrate(plan, staging, plain_model, sublayers, weights, log) if calibrate else None
-        if options.verify:
-            verification = verify_conversion(
-                plan=plan,
-                plain_model=plain_model,
-                folder=staging,
-                compare_logits=plan.head != "base" and not weights.initialized_at_load,
-                log=log,
-            )
-        else:
-            verification = Verification()
-            log("verification skipped (--no-verify)")
+        with peak_memory() as write_peak:
+            weights, tokenizer, target_config = _write(plan, staging)
+        low_memory = _low_memory(plan, options, log)
+        with peak_memory() as calibrate_peak:
+            plain_model, calibration = _calibrate(plan, options, staging, weights, low_memory, log)
+        with peak_memory() as verify_peak:
+            if options.verify:
+                verification = verify_conversion(
+                    plan=plan,
+                    plain_model=plain_model or load_unswapped_model(plan, low_memory),
+                    folder=staging,
+                    compare_logits=plan.head != "base" and not weights.initialized_at_load,
+                    log=log,
+                    low_memory=low_memory,
+                )
+            else:
+                verification = Verification()
+                log("verification skipped (--no-verify)")
+        memory = MemoryRecord(
+            write_mib=write_peak.mib,
+            calibrate_mib=calibrate_peak.mib if calibration is not None else None,
+            verify_mib=verify_peak.mib if options.verify else None,
+            measured_by=write_peak.method,
+            low_memory=low_memory,
+        )
         record = _record(
             plan,
             options,
@@ -126,6 +154,7 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
             tokenizer=tokenizer,
             calibration=calibration,
             verification=verification,
+            memory=memory,
         ).to_dict()
         (staging / "conversion.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     return record
@@ -161,10 +190,32 @@ def _write_tokenizer(plan: ConversionPlan, staging: Path) -> TokenizerRecord:
     return TokenizerRecord(files=files, pad_token_added=added, sentence_transformers=pipeline)
 
 
+def _low_memory(plan: ConversionPlan, options: ConvertOptions, log) -> bool:
+    """`options.low_memory`, or whether the source's safetensors weights, held WHOLE_MODEL_COPIES times, would not fit
+    in the available memory."""
+    if options.low_memory is not None:
+        return options.low_memory
+    safetensors = all(file.suffix == ".safetensors" for file in plan.files)
+    size = sum(file.stat().st_size for file in plan.files)
+    low_memory = safetensors and size * WHOLE_MODEL_COPIES > available_memory()
+    if low_memory:
+        log(f"calibrating and verifying one layer at a time: {size / 2**30:.1f} GiB of weights x {WHOLE_MODEL_COPIES}")
+    return low_memory
+
+
 def _calibrate(
-    plan: ConversionPlan, staging: Path, plain_model, sublayers: dict[str, str], weights: WeightsRecord, log
-) -> CalibrationRecord:
-    """Calibrates the written model against the unswapped one; norms that started at identity are then calibrated."""
+    plan: ConversionPlan, options: ConvertOptions, staging: Path, weights: WeightsRecord, low_memory: bool, log
+) -> tuple[nn.Module | None, CalibrationRecord | None]:
+    """Calibrates the written model against the unswapped one where the swap needs it (norms that started at identity
+    are then calibrated); returns the unswapped model, if it was loaded, and what calibration did."""
+    if not options.calibrate or plan.exact_swap:
+        return None, None
+    sublayers = calibrated_sublayers(
+        target=plan.target, norm_sources=plan.norm_sources, source_slots=norm_slots(plan.plain)
+    )
+    if not sublayers and not calibrates_stream(plan.plain, plan.target):
+        return None, None
+    plain_model = load_unswapped_model(plan, low_memory)
     calibration, calibrated = calibrate_checkpoint(
         folder=staging,
         head=plan.head,
@@ -173,9 +224,10 @@ def _calibrate(
         norm_sources=plan.norm_sources,
         sublayers=sublayers,
         log=log,
+        model=load_written(staging, plan.head, low_memory),
     )
     weights.mark_calibrated(calibrated)
-    return calibration
+    return plain_model, calibration
 
 
 def _record(
@@ -187,6 +239,7 @@ def _record(
     tokenizer: TokenizerRecord,
     calibration: CalibrationRecord | None,
     verification: Verification,
+    memory: MemoryRecord,
 ) -> ConversionRecord:
     plain, target = plan.plain, plan.target
     return ConversionRecord(
@@ -216,6 +269,7 @@ def _record(
         notes=_notes(plan, weights),
         weights=weights,
         tokenizer=tokenizer,
+        memory=memory,
         verification=verification,
     )
 

@@ -54,6 +54,14 @@ class ConvertOptions:
     head: str = field(default="auto", metadata={"choices": ("auto", *HEAD_CLASSES), "help": "default: the source's"})
     dtype: str | None = field(default=None, metadata={"choices": DTYPES, "help": "default: the source's"})
     verify: bool = field(default=True, metadata={"help": "check exactness against the source and measure the swap"})
+    low_memory: bool | None = field(
+        default=None,
+        metadata={
+            "help": "run calibration and verification one layer at a time (the source's and the written model's "
+            "layers read from their files as they run, Transformers' model with its layers offloaded to disk); "
+            "default: when the checkpoint would not fit whole (its size x 6 above available memory)"
+        },
+    )
     allow_pickle: bool = field(
         default=False, metadata={"help": "accept pytorch_model.bin (read with weights_only=True)"}
     )

@@ -22,6 +22,8 @@ from torch import nn
 
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
+from .lazy_layers import load_layer
+from .refit import MedianSample
 
 
 NORMALISED_STREAM_PLACEMENTS = ("post", "pre_post", "deepnorm", "admin")
@@ -71,28 +73,29 @@ def _sublayers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear], nn.Li
 
 
 @torch.no_grad()
-def stream_rms(source: nn.Module, batch: dict) -> list[float]:
-    """The median over the batch's real tokens of what each of the pre-LN source's reading norms divides by (its
+def stream_rms(source: nn.Module, batches: list[dict]) -> list[float]:
+    """The median over the real tokens of `batches` of what each of the pre-LN source's reading norms divides by (its
     input's RMS for RMSNorm, its standard deviation for LayerNorm), in forward order, the final norm last."""
-    real = batch["attention_mask"].bool()
     norms = [norms.input_norm for norms, _, _ in _sublayers(source)] + [source.base_model.norm]
-    medians = {}
+    samples, real = {norm: MedianSample() for norm in norms}, {}
 
     def record(norm, args):
-        states = args[0][real].float()
+        states = args[0][real["mask"]].float()
         if isinstance(norm, nn.LayerNorm):
             states = states - states.mean(-1, keepdim=True)
         eps = norm.eps if isinstance(norm, nn.LayerNorm) else norm.variance_epsilon
-        medians[norm] = (states.pow(2).mean(-1) + eps).sqrt().median().item()
+        samples[norm].add((states.pow(2).mean(-1) + eps).sqrt())
 
     hooks = [norm.register_forward_pre_hook(record) for norm in norms]
     try:
         with evaluation_mode(source):
-            source.base_model(**batch)
+            for batch in batches:
+                real["mask"] = batch["attention_mask"].bool()
+                source.base_model(**batch)
     finally:
         for hook in hooks:
             hook.remove()
-    return [medians[norm] for norm in norms]
+    return [samples[norm].median() for norm in norms]
 
 
 def _fold(norm: nn.Module, readers: list[nn.Linear]) -> None:
@@ -112,14 +115,16 @@ def _set_norm(norm: nn.Module, like: nn.Module | None) -> None:
 
 
 @torch.no_grad()
-def calibrate_stream(model: nn.Module, source: nn.Module, batch: dict) -> StreamCalibration:
+def calibrate_stream(model: nn.Module, source: nn.Module, batches: list[dict]) -> StreamCalibration:
     """Sets the norms and writes of the written `model` (converted from the pre-LN `source` with its norms mapped in
-    any way) as the module docstring says, with scales from the source's stream on `batch`."""
-    rms = stream_rms(source, batch)
+    any way) as the module docstring says, with scales from the source's stream on `batches`."""
+    rms = stream_rms(source, batches)
     base, scales = model.base_model, {}
     _set_norm(base.embeddings.norm, None)
     targets, sources = _sublayers(model), _sublayers(source)
     for index, ((norms, readers, write), (source_norms, _, _)) in enumerate(zip(targets, sources)):
+        load_layer(base, index // 2)
+        load_layer(source.base_model, index // 2)
         if isinstance(norms.input_norm, nn.Identity):
             _fold(source_norms.input_norm, readers)
         else:

@@ -9,16 +9,19 @@ from transformers import AutoConfig
 
 from ..checkpoint import read_tensors, resolve_source, weight_files
 from ..gguf import local_checkpoint
+from ..memory import available_memory
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, local_name
 from ..probes.collapse import COLLAPSE_MARGIN, conversion_collapse
 from ..probes.swap_effect import swap_effect
 from .exact_swaps import keeps_last_hidden_state
 from .families import Family, family_of, normswap_config
+from .lazy_layers import folder_loaders, lazy_model, source_loaders
 from .options import ConversionError
 from .plan import ConversionPlan
 
 
+NATIVE_COPIES = 4  # the source's weights held twice in float32 (from 16 bits: twice the files)
 HIDDEN_TOLERANCE = 1e-5
 LOGITS_TOLERANCE = 1e-4
 
@@ -51,6 +54,8 @@ class Verification:
     measured: Measured | None = None
     swap_effect: dict | None = None
     collapse: dict | None = None
+    native_skipped: str | None = None  # why the source's own model was not run (then measured is None and the
+    # written model is measured against the unswapped conversion instead)
 
 
 def tolerance() -> Tolerance:
@@ -108,20 +113,43 @@ def random_batch(vocab_size: int, pad_token_id: int | None, seed: int = 0):
     return input_ids.masked_fill(attention_mask == 0, pad), attention_mask
 
 
-def verify_conversion(*, plan: ConversionPlan, plain_model, folder: Path, compare_logits: bool, log) -> Verification:
+def load_written(folder: Path, head: str, low_memory: bool) -> torch.nn.Module:
+    """The model written in FOLDER in float32: whole, or with lazy layers that write their changes back."""
+    if not low_memory:
+        return HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32).eval()
+    return lazy_model(NormSwapConfig.from_pretrained(folder), head, folder_loaders(folder), folder=folder)
+
+
+def load_unswapped_model(plan: ConversionPlan, low_memory: bool) -> torch.nn.Module:
+    """The unswapped model of the plan's source in float32: whole, or with lazy layers."""
+    if not low_memory:
+        return load_plain(plain=plan.plain, head=plan.head, family=plan.family, files=plan.files)
+    return lazy_model(plan.plain, plan.head, source_loaders(plan.files, plan.family, plan.head))
+
+
+def verify_conversion(
+    *, plan: ConversionPlan, plain_model, folder: Path, compare_logits: bool, log, low_memory: bool = False
+) -> Verification:
     """Runs the source, the unswapped conversion (`plain_model`) and the model written in FOLDER on random padded
     inputs. Raises when the unswapped conversion is beyond tolerance; records whether the written model is exact,
-    how far it is, the swap's effect and collapse."""
-    native = NATIVE_AUTO_CLASSES[plan.head].from_pretrained(plan.folder, dtype=torch.float32).eval()
+    how far it is, the swap's effect and collapse. With `low_memory`, the written model's layers are loaded one at a
+    time, and the source's own model runs whole only where it fits (`_native_skipped`); else the written model is
+    measured against the unswapped conversion."""
     plain = plain_model.config
-    # causal-LM classifiers find the last token by the pad id: the one the batch is padded with
-    native.config.pad_token_id = padding_id(native.config.pad_token_id, plain.eos_token_id, plain.vocab_size)
-    batch = random_batch(plain.vocab_size, native.config.pad_token_id)
-    measured = _measure_unswapped(native, plain_model, plan.head, batch, compare_logits, log)
-
-    written = HEAD_CLASSES[plan.head].from_pretrained(folder, dtype=torch.float32).eval()
+    batch = random_batch(plain.vocab_size, padding_id(plain.pad_token_id, plain.eos_token_id, plain.vocab_size))
+    measured, native_skipped, reference = None, _native_skipped(plan, low_memory), plain_model
+    if native_skipped is None:
+        reference = NATIVE_AUTO_CLASSES[plan.head].from_pretrained(plan.folder, dtype=torch.float32).eval()
+        # causal-LM classifiers find the last token by the pad id: the one the batch is padded with
+        reference.config.pad_token_id = padding_id(reference.config.pad_token_id, plain.eos_token_id, plain.vocab_size)
+        batch = random_batch(plain.vocab_size, reference.config.pad_token_id)
+        measured = _measure_unswapped(reference, plain_model, plan.head, batch, compare_logits, log)
+    else:
+        log(f"the unswapped conversion was not checked against the source: {native_skipped}")
+    written = load_written(folder, plan.head, low_memory)
     compare_hidden = keeps_last_hidden_state(kind=plan.exact_swap, head=plan.head)
-    swap_distance = _distance(native, written, plan.head, batch, compare_hidden, compare_logits)
+    swap_distance = _distance(reference, written, plan.head, batch, compare_hidden, compare_logits)
+    del reference
     exact = (compare_hidden or compare_logits) and _within_tolerance(swap_distance)
     compared = ", ".join(
         f"{what} {value:.2e}"
@@ -133,12 +161,29 @@ def verify_conversion(*, plan: ConversionPlan, plain_model, folder: Path, compar
     )
     log(f"written model: {'exact' if exact else 'approximate'} (max |difference| to the source: {compared})")
 
-    effect = swap_effect(before=plain_model, after_folder=folder, head=plan.head)
+    effect = swap_effect(before=plain_model, after=written, folder=folder, head=plan.head)
     log(_swap_line(effect))
-    collapse = conversion_collapse(source=plain_model, folder=folder)
+    collapse = conversion_collapse(source=plain_model, variant=written, folder=folder)
     log(_collapse_line(collapse))
     return Verification(
-        exact=exact, swap_distance=swap_distance, measured=measured, swap_effect=effect, collapse=collapse
+        exact=exact,
+        swap_distance=swap_distance,
+        measured=measured,
+        swap_effect=effect,
+        collapse=collapse,
+        native_skipped=native_skipped,
+    )
+
+
+def _native_skipped(plan: ConversionPlan, low_memory: bool) -> str | None:
+    """Why Transformers' own model of the source is not run (None: it is): with `low_memory`, when it would not fit
+    whole, in float32, twice over, in the available memory."""
+    size = sum(file.stat().st_size for file in plan.files) * NATIVE_COPIES
+    if not low_memory or size <= available_memory():
+        return None
+    return (
+        f"low_memory: Transformers' model would need about {size / 2**30:.1f} GiB, "
+        f"{available_memory() / 2**30:.1f} GiB available"
     )
 
 

@@ -60,11 +60,9 @@ def exceeds(variant: dict[str, list[float]], source: dict[str, list[float]]) -> 
     return any(variant[name][-1] > source[name][-1] + COLLAPSE_MARGIN for name in POOLINGS)
 
 
-def conversion_collapse(source: torch.nn.Module, folder: Path) -> dict:
-    """The collapse figures of the unswapped model and of the checkpoint written in `folder`, on the probe set."""
-    from ..model.modeling_normswap import NormSwapModel
-
-    variant = NormSwapModel.from_pretrained(folder, dtype=torch.float32)
+def conversion_collapse(source: torch.nn.Module, variant: torch.nn.Module, folder: Path) -> dict:
+    """The collapse figures of the unswapped model and of the `variant` written in FOLDER (with its tokenizer), on
+    the probe set."""
     tokenizer = probe_tokenizer(folder)
     batches = probe_batches(tokenizer, variant.config.vocab_size)
     figures = {"source": collapse_profile(source, batches), "variant": collapse_profile(variant, batches)}

@@ -34,14 +34,14 @@ def probe_tokenizer(folder: Path):
 def probe_batches(
     tokenizer, vocab_size: int, size: int = PROBE_SIZE, batch_size: int = 32, split: str = "validation"
 ) -> list[dict]:
-    """The fixed probe set: the first `size` sentences of a split of the shipped SST-2 sample, or random tokens
-    (always the same) when there is no tokenizer."""
+    """The fixed probe set: the first `size` sentences of a split of the shipped SST-2 sample (repeated beyond its
+    length), or random tokens (always the same) when there is no tokenizer."""
     if tokenizer is None:
         generator = torch.Generator().manual_seed(0)
         input_ids = torch.randint(0, vocab_size, (size, 16), generator=generator)
         return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in input_ids.split(batch_size)]
-    lines = (_SAMPLE / f"{split}.jsonl").read_text().splitlines()[:size]
-    sentences = [json.loads(line)["sentence"] for line in lines]
+    lines = (_SAMPLE / f"{split}.jsonl").read_text().splitlines()
+    sentences = [json.loads(line)["sentence"] for line in lines * -(-size // len(lines))][:size]
     return [
         dict(
             tokenizer(

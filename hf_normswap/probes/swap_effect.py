@@ -5,15 +5,14 @@ from pathlib import Path
 
 import torch
 
-from ..model.heads import HEAD_CLASSES
 from .next_token import next_token_agreement
 from .probe_data import SENTENCES, mask_every_sixth, probe_tokenizer
 
 
-def swap_effect(before: torch.nn.Module, after_folder: Path, head: str, seed: int = 0) -> dict:
-    """Compares the unswapped model with the written one on a few sentences (random tokens without a tokenizer)."""
-    after = HEAD_CLASSES[head].from_pretrained(after_folder, dtype=torch.float32).eval()
-    tokenizer = probe_tokenizer(after_folder)
+def swap_effect(before: torch.nn.Module, after: torch.nn.Module, folder: Path, head: str, seed: int = 0) -> dict:
+    """Compares the unswapped model with the written one (`after`, of `head`, written in FOLDER with its tokenizer)
+    on a few sentences (random tokens without a tokenizer)."""
+    tokenizer = probe_tokenizer(folder)
     if tokenizer is None:
         generator = torch.Generator().manual_seed(seed)
         input_ids = torch.randint(0, after.config.vocab_size, (4, 16), generator=generator)
