@@ -57,6 +57,24 @@ def test_cache_gives_the_same_logits_as_recomputing():
         assert (stepped - full).abs().max().item() <= 1e-5, position
 
 
+def test_cache_is_taken_by_either_name():
+    """Transformers 5.24 renamed the cache argument `past_key_values` to `cache`: the model takes either, not both."""
+    model = NormSwapForCausalLM(tiny_config(is_causal=True, norm_placement="pre")).eval()
+    input_ids, _ = padded_batch(lengths=(10, 10))
+    stepped = {}
+    with torch.no_grad():
+        full = model(input_ids).logits[:, 6:]
+        for name in ("cache", "past_key_values"):
+            cache = DynamicCache(config=model.config)
+            model(input_ids[:, :6], **{name: cache})
+            stepped[name] = model(input_ids[:, 6:], **{name: cache}).logits
+            assert cache.get_seq_length() == 10, name
+    assert (stepped["cache"] - full).abs().max().item() <= 1e-5
+    assert torch.equal(stepped["cache"], stepped["past_key_values"])
+    with pytest.raises(ValueError, match="as `cache` or as `past_key_values`, not both"):
+        model(input_ids, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+
+
 def test_text_generation_pipeline_and_a_swapped_variant(tmp_path):
     save_source(tmp_path / "source", "llama", "ForCausalLM")
     convert_checkpoint(

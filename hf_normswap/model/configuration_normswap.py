@@ -180,7 +180,7 @@ class NormSwapConfig(PreTrainedConfig):
     is_causal (`bool`, defaults to `False`):
         Causal attention instead of bidirectional.
     use_cache (`bool`, defaults to `True`):
-        Whether a causal model's forward builds and returns its key/value cache (`past_key_values`) when the call
+        Whether a causal model's forward builds and returns its key/value cache (`cache`) when the call
         does not say; bidirectional models have none.
     layer_types (`list[str]`, *optional*):
         One per layer, `"full_attention"` or `"sliding_attention"`; None means all full.
@@ -218,7 +218,7 @@ class NormSwapConfig(PreTrainedConfig):
     """
 
     model_type = "normswap"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     default_theta = 10_000.0
 
     vocab_size: int = 30522

@@ -47,6 +47,10 @@ from .packed_sequences_normswap import (
 from .positions_normswap import NormSwapRotaryEmbedding
 
 
+# Transformers names the key/value cache `cache` in forward arguments, mask builders and outputs since 5.24, and
+# `past_key_values` before (the old name still works there, with a deprecation warning): ours takes either.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 AUTO_MAP = {
     "AutoConfig": "configuration_normswap.NormSwapConfig",
     "AutoModel": "modeling_normswap.NormSwapModel",
@@ -64,7 +68,7 @@ class NormSwapPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["NormSwapEmbeddings", "NormSwapLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
@@ -125,16 +129,21 @@ class NormSwapModel(NormSwapPreTrainedModel):
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if past_key_values is not None and not self.config.is_causal:
-            raise ValueError("past_key_values needs NormSwapConfig.is_causal=True, got False.")
-        if use_cache and past_key_values is None and self.config.is_causal:
-            past_key_values = DynamicCache(config=self.config)
+        if past_key_values is not None:
+            if cache is not None:
+                raise ValueError("Pass the key/value cache as `cache` or as `past_key_values`, not both.")
+            cache = past_key_values
+        if cache is not None and not self.config.is_causal:
+            raise ValueError("A key/value cache needs NormSwapConfig.is_causal=True, got False.")
+        if use_cache and cache is None and self.config.is_causal:
+            cache = DynamicCache(config=self.config)
         inputs = input_ids if inputs_embeds is None else inputs_embeds
         if position_ids is not None:
             position_ids = position_ids.expand(inputs.shape[0], -1)
@@ -145,7 +154,7 @@ class NormSwapModel(NormSwapPreTrainedModel):
             if sequence_ids is not None:
                 position_ids = positions_in_sequence(sequence_ids)
             else:
-                past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+                past_seen = cache.get_seq_length() if cache is not None else 0
                 position_ids = torch.arange(past_seen, past_seen + inputs.shape[1], device=inputs.device).unsqueeze(0)
         if sequence_ids is not None and "flash" in self.config._attn_implementation and "cu_seq_lens_q" not in kwargs:
             kwargs.update(flash_varlen_kwargs(sequence_ids))
@@ -153,7 +162,7 @@ class NormSwapModel(NormSwapPreTrainedModel):
         hidden_states = self.embeddings(
             input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids, position_ids=position_ids
         )
-        masks = self._attention_masks(hidden_states, attention_mask, past_key_values, sequence_ids)
+        masks = self._attention_masks(hidden_states, attention_mask, cache, sequence_ids)
         position_embeddings = self._position_embeddings(hidden_states, position_ids)
 
         for layer in self.layers:
@@ -161,12 +170,12 @@ class NormSwapModel(NormSwapPreTrainedModel):
                 hidden_states,
                 attention_mask=masks[layer.attention_type],
                 position_embeddings=position_embeddings[layer.attention_type],
-                past_key_values=past_key_values,
+                cache=cache,
                 **kwargs,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: cache})
 
-    def _attention_masks(self, inputs_embeds, attention_mask, past_key_values, sequence_ids) -> dict:
+    def _attention_masks(self, inputs_embeds, attention_mask, cache, sequence_ids) -> dict:
         """The attention-implementation-specific mask of each layer type, as Transformers' masking utilities build
         it: causal or bidirectional, full or sliding-window, sized to the cache, and block-diagonal over the sequences
         of a packed batch (a document mask for flex attention). A dict passes through as is."""
@@ -184,7 +193,7 @@ class NormSwapModel(NormSwapPreTrainedModel):
         if sequence_ids is not None:
             mask_kwargs["and_mask_function"] = packed_sequence_mask_function(sequence_ids)
         if self.config.is_causal:
-            mask_kwargs["past_key_values"] = past_key_values
+            mask_kwargs[CACHE_NAME] = cache
             builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         else:
             builders = {
@@ -390,10 +399,11 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
@@ -402,8 +412,9 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
             token_type_ids,
             position_ids,
             inputs_embeds,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
+            past_key_values=past_key_values,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -423,9 +434,9 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
 
 
