@@ -47,8 +47,7 @@ from .packed_sequences_normswap import (
 from .positions_normswap import NormSwapRotaryEmbedding
 
 
-# Transformers names the key/value cache `cache` in forward arguments, mask builders and outputs since 5.24, and
-# `past_key_values` before (the old name still works there, with a deprecation warning): ours takes either.
+# The key/value cache's name in Transformers' forwards, mask builders and outputs: `past_key_values` before 5.24.
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 AUTO_MAP = {
@@ -136,10 +135,9 @@ class NormSwapModel(NormSwapPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if past_key_values is not None:
-            if cache is not None:
-                raise ValueError("Pass the key/value cache as `cache` or as `past_key_values`, not both.")
-            cache = past_key_values
+        if cache is not None and past_key_values is not None:
+            raise ValueError("Pass the key/value cache as `cache` or as `past_key_values`, not both.")
+        cache = cache if cache is not None else past_key_values  # its name before Transformers 5.24
         if cache is not None and not self.config.is_causal:
             raise ValueError("A key/value cache needs NormSwapConfig.is_causal=True, got False.")
         if use_cache and cache is None and self.config.is_causal:
@@ -400,23 +398,12 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         cache: Cache | None = None,
-        use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        outputs = self.model(
-            input_ids,
-            attention_mask,
-            token_type_ids,
-            position_ids,
-            inputs_embeds,
-            cache=cache,
-            use_cache=use_cache,
-            past_key_values=past_key_values,
-            **kwargs,
-        )
+        # `use_cache`, and the cache by its name before Transformers 5.24 (`past_key_values`), pass on in kwargs
+        outputs = self.model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cache, **kwargs)
         hidden_states = outputs.last_hidden_state
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, kept, :])
