@@ -69,10 +69,11 @@ def plain_load_and_save(source: Path, output: Path) -> int:
     return 0
 
 
-def run_worker(record: Path, command: list[str], processes: int = 1) -> dict:
-    """Runs `command` in a worker process (`processes` of them under torchrun); the figures of each rank."""
+def run_worker(record: Path, command: list[str], processes: int = 1, torchrun: bool = False) -> dict:
+    """Runs `command` in a worker process (`processes` of them under torchrun, or one with `torchrun`); the figures of
+    each rank."""
     launcher = [sys.executable]
-    if processes > 1:
+    if processes > 1 or torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
@@ -196,14 +197,18 @@ def healing(args, work: Path) -> None:
     from hf_normswap import convert_checkpoint, smollm2_gguf
 
     source = str(tiny_llama(work / "llama")) if args.quick else str(smollm2_gguf())
-    variant = work / "post"
-    convert_checkpoint(
-        source, str(variant), norm_placement="post", attention="causal", verify=False, log=lambda _: None
-    )
+    variant, teacher = work / "post", work / "pre"
+    # the teacher as an unswapped float32 NormSwap folder, so that no process de-quantizes the GGUF file again
+    for folder, placement in ((variant, "post"), (teacher, "pre")):
+        convert_checkpoint(
+            source, str(folder), norm_placement=placement, attention="causal", verify=False, log=lambda _: None
+        )
     steps = "4" if args.quick else str(args.max_steps)
-    settings = ["--max-steps", steps, "--batch-size", "4", "--max-length", "64", "--eval-size", "8"]
-    settings += ["--data", "sst2-sample"]  # the same texts in both runs
-    single = run_worker(work / "single", ["heal", str(variant), str(work / "single-out"), *settings])[0]
+    settings = ["--max-steps", steps, "--max-length", "64", "--eval-size", "8", "--data", "sst2-sample"]
+    settings += ["--teacher", str(teacher)]
+    # both under torchrun, so that they take the same texts in the same order: 4 a step, 2 per sharded process
+    command = ["heal", str(variant), str(work / "single-out"), *settings, "--batch-size", "4"]
+    single = run_worker(work / "single", command, torchrun=True)[0]
     print(
         f"one process: peak {single['peak_rss'] / 1e9:.2f} GB resident"
         + _cuda(single)
@@ -219,7 +224,9 @@ def healing(args, work: Path) -> None:
         print("heal has no --fsdp option here (the sharding work is not merged): the sharded run is left out")
         return
     sharded = run_worker(
-        work / "sharded", ["heal", str(variant), str(work / "sharded-out"), *settings, "--fsdp"], processes=2
+        work / "sharded",
+        ["heal", str(variant), str(work / "sharded-out"), *settings, "--batch-size", "2", "--fsdp"],
+        processes=2,
     )
     key = "peak_cuda" if single["peak_cuda"] else "peak_rss"
     peak = max(figure[key] for figure in sharded.values())

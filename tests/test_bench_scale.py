@@ -24,7 +24,13 @@ def test_conversion_quick(tmp_path):
     lines = done.stdout.splitlines()
     assert re.match(r"checkpoint: \d+\.\d MB in 10 shards, largest \d+\.\d MB", lines[0]), lines[0]
     rows = {match[1].strip(): match for match in map(ROW.match, lines) if match}
-    assert list(rows) == ["plain safetensors load + save", "convert --norm-placement pre", "... --no-calibrate"]
+    expected = [
+        "plain safetensors load + save",
+        "convert --norm-placement pre",
+        "... --no-calibrate",
+        "... --low-memory",
+    ]
+    assert list(rows) == expected
     assert rows["plain safetensors load + save"][3] == "1.00"  # the time against itself
     for match in rows.values():
         seconds, ratio, peak_mb = float(match[2]), float(match[3]), int(match[4])
