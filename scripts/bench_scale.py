@@ -231,8 +231,10 @@ def healing(args, work: Path) -> None:
     key = "peak_cuda" if single["peak_cuda"] else "peak_rss"
     peak = max(figure[key] for figure in sharded.values())
     ratio = peak / single[key]
+    seconds = max(figure["seconds"] for figure in sharded.values())
     print(
         f"2 sharded processes: peak per process {peak / 1e9:.2f} GB ({key}), {ratio:.2f}x one process (target <= 0.6x)"
+        f", {seconds:.1f} s"
     )
     one, two = loss_curve(work / "single-out"), loss_curve(work / "sharded-out")
     print(f"{'step':>5} {'1 process':>10} {'2 sharded':>10}")

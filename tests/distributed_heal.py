@@ -1,6 +1,6 @@
 """Heals the tiny variants named on the command line, under `torchrun` on CPU with any number of processes, with
 `fsdp`; rank 0 writes, per healing, what the teacher was at every step (training mode, gradients, optimizer
-membership) to the JSON file named on the command line.
+membership, its embeddings gathered whole) to the JSON file named on the command line.
 
 Run by `tests/test_sharding.py`: 2 sharded processes with PER_DEVICE texts each must heal as 1 process with
 2 * PER_DEVICE does (no dropout, the same texts making up every step)."""
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hf_normswap import heal_checkpoint
 from hf_normswap.heal.trainer import HealTrainer
@@ -30,6 +31,7 @@ def training_step(self, model, inputs, num_items_in_batch=None):
             "requires_grad": sum(p.requires_grad for p in teacher),
             "in_optimizer": sum(id(p) in in_optimizer for p in teacher),
             "student_training": model.training,
+            "teacher_gathered": not isinstance(self.teacher.get_input_embeddings().weight, DTensor),
         }
     )
     return loss

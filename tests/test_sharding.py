@@ -114,6 +114,8 @@ def test_the_teacher_never_trains(healed):
             for step in steps:
                 assert step["student_training"] and not step["training"], (run, name, step)
                 assert step["grads"] == step["requires_grad"] == step["in_optimizer"] == 0, (run, name, step)
+                # sharded, its root (embeddings, head) is not kept gathered between steps
+                assert step["teacher_gathered"] == (run == "one"), (run, name, step)
 
 
 def test_sharding_options_are_checked(variants, tmp_path, capsys):
@@ -169,3 +171,32 @@ def test_sharded_comparison_equals_one_process(tmp_path):
         for key in ("loss", "accuracy"):
             assert abs(run["metrics"][key] - reference["metrics"][key]) <= TOLERANCE, (key, run, reference)
     assert got[1]["heal"]["after"] == pytest.approx(expected[1]["heal"]["after"], abs=TOLERANCE)
+
+
+FRAGMENTED_HEAP = """
+import torch
+from hf_normswap.sharding.fsdp import release_freed_memory
+
+def resident_mib():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) // 1024
+
+release_freed_memory()
+torch.ones(4 << 18)  # 4 MiB, freed at once: by itself glibc would raise its mmap threshold above it
+blocks, pins = [], []
+for _ in range(64):  # 256 MiB of 4 MiB blocks, each followed by a small block that stays
+    blocks.append(torch.ones(4 << 18))
+    pins.append(torch.ones(64))
+before = resident_mib()
+blocks.clear()
+print(before - resident_mib())
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or torch.accelerator.is_available(), reason="glibc's allocator, on CPU only"
+)
+def test_freed_blocks_go_back_to_the_system():
+    """Blocks of 1 MiB and more freed between blocks that stay leave the process (glibc's heap would keep them)."""
+    done = subprocess.run([sys.executable, "-c", FRAGMENTED_HEAP], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) >= 240  # MiB of the 256 freed

@@ -8,6 +8,8 @@ owning its placement and gradient reduction, which keeps the Trainer from wrappi
 """
 
 import contextlib
+import ctypes
+import platform
 from collections.abc import Iterator
 
 import torch
@@ -19,6 +21,9 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from ..model.evaluation_mode import evaluation_mode
 from .options import ShardingOptions
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
 def processes() -> PartialState:
@@ -49,6 +54,7 @@ def sharded(options: ShardingOptions) -> bool:
 def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
     """`model` sharded in place across the processes: each block its own FSDP2 unit, then the root; in bfloat16
     mixed precision with `bf16` (gradients reduced in float32)."""
+    release_freed_memory()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kwargs = {"mp_policy": policy} if policy else {}
     for block in blocks(model):
@@ -62,6 +68,7 @@ def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
         model(input_ids=torch.ones(1, 1, dtype=torch.long, device=next(model.parameters()).device))
     model.reshard()
     model._is_distributed_loading_by_transformers = True  # the Trainer then neither moves nor DDP-wraps it
+    release_freed_memory()  # the whole weights, freed
     return model
 
 
@@ -135,16 +142,36 @@ def gathered(*models: torch.nn.Module) -> Iterator[None]:
 
 def unsharded(model: torch.nn.Module) -> torch.nn.Module | None:
     """`model` itself when it is not sharded; else, gathered from its shards (every process joining), a plain model
-    of its class holding its full weights on CPU, on the main process (None elsewhere): what gets saved."""
+    of its class holding its full weights on CPU, on the main process (None elsewhere): what gets saved. The plain
+    model is built on the meta device and takes the gathered tensors as its own, so the weights are held once; its
+    buffers outside the state dict (e.g. rotary frequencies) stay unbuilt, for it is only to be saved."""
     if not isinstance(model, FSDPModule):
         return model
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main_process():
         return None
     plain_class = next(kind for kind in type(model).__mro__ if not issubclass(kind, FSDPModule))
-    plain = plain_class._from_config(model.config, dtype=model.dtype)
-    plain.load_state_dict(state)
+    with torch.device("meta"):
+        plain = plain_class._from_config(model.config, dtype=model.dtype)
+    plain.load_state_dict(state, assign=True, strict=False)  # a tied head is not in `state`: tied again below
+    plain.tie_weights()
+    missing = [name for name, tensor in plain.state_dict().items() if tensor.is_meta]
+    if missing:
+        raise RuntimeError(f"gathered state of {plain_class.__name__} lacks {missing[:3]}")
     return plain
+
+
+def release_freed_memory() -> None:
+    """On CPU, returns the freed heap to the system and has glibc hand freed blocks of 1 MiB and more back at once,
+    instead of keeping them for reuse (its default for blocks under a threshold that grows to 32 MiB). A sharded
+    process frees whole weights once sharded, and allocates and frees whole units at every gather and reshard; the
+    heap would otherwise keep the high-water mark of every size it has seen (measured on SmolLM2-135M:
+    docs/experiments/scale.md). Costs page faults at each such allocation."""
+    if torch.accelerator.is_available() or platform.libc_ver()[0] != "glibc":
+        return
+    libc = ctypes.CDLL(None)
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    libc.malloc_trim(0)
 
 
 def token_share(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
