@@ -3,7 +3,8 @@
 membership, its embeddings gathered whole) to the JSON file named on the command line.
 
 Run by `tests/test_sharding.py`: 2 sharded processes with PER_DEVICE texts each must heal as 1 process with
-2 * PER_DEVICE does (no dropout, the same texts making up every step)."""
+2 * PER_DEVICE does (no dropout, the same texts making up every step); with --activation-checkpointing, the tied
+variant heals with its layers recomputed in the backward pass, as it does without."""
 
 import json
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from hf_normswap import heal_checkpoint
 from hf_normswap.heal.trainer import HealTrainer
@@ -31,6 +33,8 @@ def training_step(self, model, inputs, num_items_in_batch=None):
             "requires_grad": sum(p.requires_grad for p in teacher),
             "in_optimizer": sum(id(p) in in_optimizer for p in teacher),
             "student_training": model.training,
+            "student_wrapped": isinstance(model, DistributedDataParallel),
+            "student_checkpointing": getattr(model, "module", model).is_gradient_checkpointing,
             "teacher_gathered": not isinstance(self.teacher.get_input_embeddings().weight, DTensor),
         }
     )
@@ -43,12 +47,15 @@ HealTrainer.training_step = training_step
 
 if __name__ == "__main__":
     folder, record, per_device = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    checkpointing = sys.argv[4:] == ["--activation-checkpointing"]  # then the tied variant alone
+    healings = [("tied", "kl")] if checkpointing else [("tied", "kl"), ("untied", "kl"), ("bert", "hidden")]
+    suffix = "-checkpointed" if checkpointing else ""
     results = {}
-    for name, objective in (("tied", "kl"), ("untied", "kl"), ("bert", "hidden")):
+    for name, objective in healings:
         teacher_record.clear()
         heal_checkpoint(
             str(folder / name / "variant"),
-            str(folder / name / f"healed-{per_device}"),
+            str(folder / name / f"healed-{per_device}{suffix}"),
             data=str(folder / "text.txt"),
             objective=objective,
             max_steps=STEPS,
@@ -56,6 +63,7 @@ if __name__ == "__main__":
             batch_size=per_device,
             eval_size=8,
             fsdp=True,
+            activation_checkpointing=checkpointing,
             log=None,
         )
         results[name] = list(teacher_record)

@@ -80,6 +80,8 @@ def healed(variants):
     script = TESTS / "distributed_heal.py"
     torchrun(script, variants, variants / "two.json", 4, processes=2, cwd=variants)
     torchrun(script, variants, variants / "one.json", 8, processes=1, cwd=variants)
+    checkpointed = ("--activation-checkpointing",)
+    torchrun(script, variants, variants / "checkpointed.json", 4, *checkpointed, processes=2, cwd=variants)
     return variants
 
 
@@ -106,6 +108,22 @@ def test_sharded_healing_equals_one_process_step_by_step(healed, name):
         assert abs(boundary["token_cosine"] - expected_boundary["token_cosine"]) <= TOLERANCE
 
 
+def test_sharded_activation_checkpointing_changes_nothing(healed):
+    """Recomputing each layer in the backward pass (its units gathered again) gives the same steps and weights."""
+    checkpointed, plain = healed / "tied" / "healed-4-checkpointed", healed / "tied" / "healed-4"
+    steps = json.loads((healed / "checkpointed.json").read_text())["tied"]
+    assert [step["student_checkpointing"] for step in steps] == [True] * 4
+    steps = json.loads((healed / "two.json").read_text())["tied"]
+    assert [step["student_checkpointing"] for step in steps] == [False] * 4
+    for key in ("loss", "grad_norm"):
+        got, expected = _logged(checkpointed, key), _logged(plain, key)
+        assert len(got) == len(expected) == 4
+        assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
+    got, expected = tensors(checkpointed), tensors(plain)
+    assert got.keys() == expected.keys()
+    assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE
+
+
 def test_the_teacher_never_trains(healed):
     for run in ("two", "one"):
         record = json.loads((healed / f"{run}.json").read_text())
@@ -113,6 +131,8 @@ def test_the_teacher_never_trains(healed):
             assert len(steps) == 4, (run, name)
             for step in steps:
                 assert step["student_training"] and not step["training"], (run, name, step)
+                if run == "two":  # FSDP2 reduces its gradients, not DDP (which wraps one process's model)
+                    assert not step["student_wrapped"], (run, name, step)
                 assert step["grads"] == step["requires_grad"] == step["in_optimizer"] == 0, (run, name, step)
                 # sharded, its root (embeddings, head) is not kept gathered between steps
                 assert step["teacher_gathered"] == (run == "one"), (run, name, step)
