@@ -39,8 +39,6 @@ class HealTrainer(Trainer):
         keep = {"logits_to_keep": 1} if self.objective == "kl" else {}
         with torch.no_grad():
             teacher = _outputs(self.teacher, packed, index, token_logits=labels is not None, **keep)
-        if isinstance(self.teacher, FSDPModule):  # FSDP2 keeps a root gathered after forward, for a backward
-            self.teacher.reshard()
         student = _outputs(model, packed, index, token_logits=labels is not None, **keep)
         mask = inputs["attention_mask"].to(self.args.device)
         tokens = token_share(mask.sum(), self.args.device)

@@ -98,12 +98,13 @@ def prepare_trained(model: torch.nn.Module, options: ShardingOptions) -> torch.n
 
 def prepare_frozen(model: torch.nn.Module, options: ShardingOptions) -> torch.nn.Module:
     """A model that only runs forward beside the trained one (a teacher): in evaluation mode, without gradients,
-    sharded across the processes with `fsdp`."""
+    sharded across the processes with `fsdp`, its root unit too resharded after every forward."""
     model.eval().requires_grad_(False)
     if sharded(options):
         if accelerate_shards():
             model.to(torch.accelerator.current_accelerator())
         shard(model, bf16=options.bf16)
+        model.set_reshard_after_forward(True, recurse=False)  # FSDP2 would keep its root gathered for a backward
     return model
 
 
