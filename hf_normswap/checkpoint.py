@@ -141,17 +141,30 @@ class ShardWriter:
         return [*names, SAFE_WEIGHTS_INDEX_NAME]
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
 def update_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Replaces the named tensors in the safetensors shards of `folder`, each in its shard's dtype."""
+    """Overwrites the named tensors in place in the safetensors shards of `folder`, each in its stored dtype: a
+    safetensors file is an 8-byte little-endian header size, a JSON header giving each tensor's dtype, shape and byte
+    offsets, then the raw bytes, so a tensor of the same shape and dtype takes exactly its old bytes."""
+    remaining = dict(tensors)
     for file in weight_files(folder):
-        with safe_open(file, framework="pt") as opened:
-            if not set(opened.keys()) & set(tensors):
-                continue
-        state = {
-            name: tensors[name].to(tensor.dtype) if name in tensors else tensor for name, tensor in read_tensors(file)
-        }
-        save_file(state, file.with_suffix(".tmp"), metadata={"format": "pt"})
-        os.replace(file.with_suffix(".tmp"), file)
+        with open(file, "r+b") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_size))
+            for name in sorted(header.keys() & remaining.keys()):
+                entry, tensor = header[name], remaining.pop(name)
+                if entry["dtype"] not in SAFETENSORS_DTYPES or list(tensor.shape) != entry["shape"]:
+                    raise CheckpointError(
+                        f"{file}: {name} is stored as {entry['dtype']} {entry['shape']}, cannot take a tensor of "
+                        f"shape {list(tensor.shape)} in place (floating-point dtypes only)"
+                    )
+                stored = tensor.detach().to("cpu", SAFETENSORS_DTYPES[entry["dtype"]]).contiguous().view(-1)
+                handle.seek(8 + header_size + entry["data_offsets"][0])
+                handle.write(stored.view(torch.uint8).numpy())
+    if remaining:
+        raise CheckpointError(f"{folder}: no shard holds {', '.join(sorted(remaining))}")
 
 
 def check_output(output: str | os.PathLike, overwrite: bool) -> Path:

@@ -1,9 +1,9 @@
 """Measures the scale targets of issue 20, each run in its own process (peak memory isolated, imports not timed).
 
 --part conversion: a random LLaMA-shaped post-LN NormSwap checkpoint (float32, 2.3 GB by default, in shards of at most
-    --shard-size) converted to pre-LN, calibrated (convert's default), with --no-calibrate and with --low-memory (one
-    layer at a time), against a plain safetensors load + save of the same shards. Targets: peak memory <= 2x the
-    largest shard + calibration statistics; time <= 1.5x the plain load-and-save.
+    --shard-size) converted to pre-LN, calibrated (convert's default), with --no-calibrate (also without verification)
+    and with --low-memory (one module at a time), against a plain safetensors load + save of the same shards. Targets:
+    peak memory <= 2x the largest shard + calibration statistics; time <= 1.5x the plain load-and-save.
 --part healing: SmolLM2-135M (the `demo-llama` extra) converted to post-LN and healed for a few steps in one process,
     then in 2 sharded processes (`torchrun --nproc-per-node 2 -m hf_normswap.cli heal ... --fsdp`). Target: peak memory
     per process <= 0.6x the single process's; the two loss curves side by side.
@@ -142,6 +142,10 @@ def conversion(args, work: Path) -> None:
         "  ... --no-calibrate": [
             "convert", str(source), str(work / "uncalibrated"), "--norm-placement", "pre", "--no-calibrate"
         ],
+        "  ... --no-calibrate --no-verify": [
+            "convert", str(source), str(work / "unverified"), "--norm-placement", "pre", "--no-calibrate",
+            "--no-verify",
+        ],
         "  ... --low-memory": [
             "convert", str(source), str(work / "low-memory"), "--norm-placement", "pre", "--low-memory"
         ],
@@ -160,7 +164,7 @@ def conversion(args, work: Path) -> None:
             f"{above:27.2f}"
         )
     print(CONVERSION_TARGETS)
-    for folder in ("calibrated", "uncalibrated", "low-memory"):
+    for folder in ("calibrated", "uncalibrated", "unverified", "low-memory"):
         record = json.loads((work / folder / "conversion.json").read_text())
         if "memory" in record:
             print(f"conversion.json memory record, {folder}: {json.dumps(record['memory'])}")

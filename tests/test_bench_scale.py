@@ -28,6 +28,7 @@ def test_conversion_quick(tmp_path):
         "plain safetensors load + save",
         "convert --norm-placement pre",
         "... --no-calibrate",
+        "... --no-calibrate --no-verify",
         "... --low-memory",
     ]
     assert list(rows) == expected

@@ -1,7 +1,7 @@
 """NormSwap models whose layers stay on disk: built with their parameters on the meta device, the parts outside the
 layers (embeddings, final norm, head) loaded whole, and each layer loaded when it runs and dropped when another layer
 of the same model is loaded, so that memory holds one layer of each model. A model loaded from a folder it is written
-back to keeps the tensors that changed and writes them back into the folder's shards."""
+back to writes the tensors that changed back into the folder's shards, in place, as it drops them."""
 
 import weakref
 from collections.abc import Callable
@@ -61,22 +61,27 @@ def source_loaders(files: list[Path], family: Family, head: str) -> Loaders:
     return loaders
 
 
-def _assign(
-    model: nn.Module, module: nn.Module, prefix: str, loaders: Loaders, pending: dict, recurse: bool = True
+def reader(loaders: Loaders) -> Callable[[str], torch.Tensor | None]:
+    """Reads a tensor by its name in the model (None: no loader has it)."""
+    return lambda name: loaders[name]() if name in loaders else None
+
+
+def assign_weights(
+    model: nn.Module, module: nn.Module, prefix: str, read: Callable[[str], torch.Tensor | None], recurse: bool = True
 ) -> None:
-    """Loads the meta parameters of `module` (its own only, without `recurse`; named under `prefix` in `model`) in
-    float32; those no loader has are initialised as `from_pretrained` initialises the weights a checkpoint lacks."""
+    """Loads the meta parameters of `module` (its own only, without `recurse`; named under `prefix` in `model`) from
+    `read` (a tensor by its name in `model`, or None), in each parameter's dtype; those `read` lacks are initialised
+    as `from_pretrained` initialises the weights a checkpoint lacks."""
     state, empty = {}, set()
     tensors = module.state_dict(keep_vars=True) if recurse else {**module._parameters, **module._buffers}
     for name, tensor in tensors.items():
         if tensor is None or tensor.device.type != "meta":  # buffers are built on the CPU
             continue
-        full = prefix + name
-        if full in pending or full in loaders:
-            state[name] = pending[full] if full in pending else loaders[full]().float()
-        else:
-            state[name] = torch.empty_like(tensor, device="cpu")
+        value = read(prefix + name)
+        if value is None:
+            value = torch.empty_like(tensor, device="cpu")
             empty.add(name)
+        state[name] = value.to(tensor.dtype)
     module.load_state_dict(state, strict=False, assign=True)
     owners = set()
     for name in state:
@@ -90,13 +95,12 @@ def _assign(
 
 class LazyLayers:
     """The layers of `model` (parameters on the meta device) read from `loaders` one at a time; with a `folder`, the
-    tensors that changed are written back there (`close`)."""
+    tensors that changed are written back there, in place, when their layer is dropped (and at `close`)."""
 
     def __init__(self, model: nn.Module, loaders: Loaders, folder: Path | None = None):
         self.model, self.loaders, self.folder = model, loaders, folder
         self.prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
-        self.current, self.pending, self.changed = None, {}, set()
-        self.flush_bytes = max((file.stat().st_size for file in weight_files(folder)), default=0) if folder else 0
+        self.current, self.changed = None, set()
         for index, layer in enumerate(model.base_model.layers):
             layer.register_forward_pre_hook(lambda module, args, index=index: self.load(index) and None)
         _LAZY[model.base_model] = self
@@ -109,32 +113,28 @@ class LazyLayers:
         layer = self.model.base_model.layers[index]
         if self.current != index:
             self.release()
-            _assign(self.model, layer, self._layer_prefix(index), self.loaders, self.pending)
+            assign_weights(self.model, layer, self._layer_prefix(index), reader(self.loaders))
             self.current = index
         return layer
 
-    def _keep_changes(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Keeps those of `tensors` (by their names in the model) that differ from the folder's."""
+    def _write_changes(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Writes those of `tensors` (by their names in the model) that differ from the folder's back into it."""
         if self.folder is None:
             return
-        for name, tensor in tensors.items():
-            if name in self.loaders and not torch.equal(tensor, self.loaders[name]().float()):
-                self.pending[name] = tensor.clone()
-                self.changed.add(name)
-        if sum(tensor.numel() * tensor.element_size() for tensor in self.pending.values()) > self.flush_bytes:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.pending:
-            update_tensors(folder=self.folder, tensors=self.pending)
-            self.pending = {}
+        changed = {
+            name: tensor
+            for name, tensor in tensors.items()
+            if name in self.loaders and not torch.equal(tensor, self.loaders[name]().to(tensor.dtype))
+        }
+        update_tensors(folder=self.folder, tensors=changed)
+        self.changed |= changed.keys()
 
     def release(self) -> None:
-        """Drops the loaded layer, keeping its changed tensors."""
+        """Drops the loaded layer, writing its changed tensors back."""
         if self.current is not None:
             layer = self.model.base_model.layers[self.current]
             prefix = self._layer_prefix(self.current)
-            self._keep_changes({prefix + name: tensor for name, tensor in layer.state_dict().items()})
+            self._write_changes({prefix + name: tensor for name, tensor in layer.state_dict().items()})
             layer.to("meta")
             self.current = None
 
@@ -142,8 +142,7 @@ class LazyLayers:
         """Drops the loaded layer, writes the changed tensors back; returns the names of those that changed."""
         self.release()
         layers = f"{self.prefix}layers."
-        self._keep_changes({name: t for name, t in self.model.state_dict().items() if not name.startswith(layers)})
-        self._flush()
+        self._write_changes({name: t for name, t in self.model.state_dict().items() if not name.startswith(layers)})
         return set(self.changed)
 
 
@@ -161,7 +160,7 @@ def lazy_model(config: NormSwapConfig, head: str, loaders: Loaders, folder: Path
     layers = f"{'' if model.base_model is model else model.base_model_prefix + '.'}layers."
     for name, module in model.named_modules():
         if not name.startswith(layers.rstrip(".")) and next(module.parameters(recurse=False), None) is not None:
-            _assign(model, module, f"{name}." if name else "", loaders, {}, recurse=False)
+            assign_weights(model, module, f"{name}." if name else "", reader(loaders), recurse=False)
     model.tie_weights()
     LazyLayers(model, loaders, folder)
     return model.eval()

@@ -1,27 +1,27 @@
 """Verifying a conversion: the unswapped conversion must compute what the source computes (or nothing is written),
 and the written model is measured against the source: exact or not, how far, the swap's effect, collapse."""
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from transformers import AutoConfig
 
 from ..checkpoint import read_tensors, resolve_source, weight_files
 from ..gguf import local_checkpoint
-from ..memory import available_memory
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, local_name
 from ..probes.collapse import COLLAPSE_MARGIN, conversion_collapse
 from ..probes.swap_effect import swap_effect
 from .exact_swaps import keeps_last_hidden_state
 from .families import Family, family_of, normswap_config
-from .lazy_layers import folder_loaders, lazy_model, source_loaders
+from .lazy_layers import assign_weights, folder_loaders, lazy_model, source_loaders
 from .options import ConversionError
 from .plan import ConversionPlan
 
 
-NATIVE_COPIES = 4  # the source's weights held twice in float32 (from 16 bits: twice the files)
 HIDDEN_TOLERANCE = 1e-5
 LOGITS_TOLERANCE = 1e-4
 
@@ -54,8 +54,6 @@ class Verification:
     measured: Measured | None = None
     swap_effect: dict | None = None
     collapse: dict | None = None
-    native_skipped: str | None = None  # why the source's own model was not run (then measured is None and the
-    # written model is measured against the unswapped conversion instead)
 
 
 def tolerance() -> Tolerance:
@@ -67,7 +65,8 @@ def load_plain(
     plain: NormSwapConfig, head: str, family: Family, files: list[Path], dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """The unswapped NormSwap model of the source's weight files, in `dtype` (mapped in float32)."""
-    model = HEAD_CLASSES[head]._from_config(plain, dtype=dtype)
+    with init_empty_weights(include_buffers=False):
+        model = HEAD_CLASSES[head]._from_config(plain, dtype=dtype)
     expected = set(model.state_dict())
     state = {}
     for file in files:
@@ -76,7 +75,8 @@ def load_plain(
                 name = local_name(name=name, head=head)
                 if name in expected:
                     state[name] = value.to(dtype)
-    model.load_state_dict(state, strict=False)
+    assign_weights(model, model, "", state.get)
+    model.tie_weights()
     return model.eval()
 
 
@@ -120,6 +120,34 @@ def load_written(folder: Path, head: str, low_memory: bool) -> torch.nn.Module:
     return lazy_model(NormSwapConfig.from_pretrained(folder), head, folder_loaders(folder), folder=folder)
 
 
+def load_pretrained(model_class, folder: Path, low_memory: bool) -> torch.nn.Module:
+    """`model_class.from_pretrained(FOLDER)` in float32: whole, or with `low_memory` offloaded to its own safetensors
+    files (Transformers' disk offload: each module's weights are read when it runs and dropped after); modules whose
+    weights the files lack are initialised in memory, as `from_pretrained` initialises them."""
+    if not low_memory:
+        return model_class.from_pretrained(folder, dtype=torch.float32).eval()
+    dispatch = logging.getLogger("accelerate.big_modeling")  # it warns that offloaded weights are on the meta device
+    level = dispatch.level
+    dispatch.setLevel(logging.ERROR)
+    try:
+        model, loading = model_class.from_pretrained(
+            folder, dtype=torch.float32, device_map={"": "disk"}, output_loading_info=True
+        )
+    finally:
+        dispatch.setLevel(level)
+    missing = set(loading["missing_keys"])
+    for owner in sorted({name.rpartition(".")[0] for name in missing}):
+        module = model.get_submodule(owner)
+        module.to_empty(device="cpu", recurse=False)
+        model._init_weights(module)
+        offloaded = module._hf_hook.weights_map  # accelerate's offload loader: a tensor in its state_dict is served
+        for name, tensor in module.named_parameters(recurse=False):
+            if f"{owner}.{name}" in missing:
+                offloaded.dataset.state_dict[offloaded.prefix + name] = tensor.detach()
+        module.to("meta")
+    return model.eval()
+
+
 def load_unswapped_model(plan: ConversionPlan, low_memory: bool) -> torch.nn.Module:
     """The unswapped model of the plan's source in float32: whole, or with lazy layers."""
     if not low_memory:
@@ -132,24 +160,18 @@ def verify_conversion(
 ) -> Verification:
     """Runs the source, the unswapped conversion (`plain_model`) and the model written in FOLDER on random padded
     inputs. Raises when the unswapped conversion is beyond tolerance; records whether the written model is exact,
-    how far it is, the swap's effect and collapse. With `low_memory`, the written model's layers are loaded one at a
-    time, and the source's own model runs whole only where it fits (`_native_skipped`); else the written model is
-    measured against the unswapped conversion."""
+    how far it is, the swap's effect and collapse. With `low_memory`, the source's model and the written one hold one
+    module's weights at a time (`load_pretrained`)."""
     plain = plain_model.config
-    batch = random_batch(plain.vocab_size, padding_id(plain.pad_token_id, plain.eos_token_id, plain.vocab_size))
-    measured, native_skipped, reference = None, _native_skipped(plan, low_memory), plain_model
-    if native_skipped is None:
-        reference = NATIVE_AUTO_CLASSES[plan.head].from_pretrained(plan.folder, dtype=torch.float32).eval()
-        # causal-LM classifiers find the last token by the pad id: the one the batch is padded with
-        reference.config.pad_token_id = padding_id(reference.config.pad_token_id, plain.eos_token_id, plain.vocab_size)
-        batch = random_batch(plain.vocab_size, reference.config.pad_token_id)
-        measured = _measure_unswapped(reference, plain_model, plan.head, batch, compare_logits, log)
-    else:
-        log(f"the unswapped conversion was not checked against the source: {native_skipped}")
-    written = load_written(folder, plan.head, low_memory)
+    native = load_pretrained(NATIVE_AUTO_CLASSES[plan.head], plan.folder, low_memory)
+    # causal-LM classifiers find the last token by the pad id: the one the batch is padded with
+    native.config.pad_token_id = padding_id(native.config.pad_token_id, plain.eos_token_id, plain.vocab_size)
+    batch = random_batch(plain.vocab_size, native.config.pad_token_id)
+    measured = _measure_unswapped(native, plain_model, plan.head, batch, compare_logits, log)
+    written = load_pretrained(HEAD_CLASSES[plan.head], folder, low_memory)
     compare_hidden = keeps_last_hidden_state(kind=plan.exact_swap, head=plan.head)
-    swap_distance = _distance(reference, written, plan.head, batch, compare_hidden, compare_logits)
-    del reference
+    swap_distance = _distance(native, written, plan.head, batch, compare_hidden, compare_logits)
+    del native
     exact = (compare_hidden or compare_logits) and _within_tolerance(swap_distance)
     compared = ", ".join(
         f"{what} {value:.2e}"
@@ -166,24 +188,7 @@ def verify_conversion(
     collapse = conversion_collapse(source=plain_model, variant=written, folder=folder)
     log(_collapse_line(collapse))
     return Verification(
-        exact=exact,
-        swap_distance=swap_distance,
-        measured=measured,
-        swap_effect=effect,
-        collapse=collapse,
-        native_skipped=native_skipped,
-    )
-
-
-def _native_skipped(plan: ConversionPlan, low_memory: bool) -> str | None:
-    """Why Transformers' own model of the source is not run (None: it is): with `low_memory`, when it would not fit
-    whole, in float32, twice over, in the available memory."""
-    size = sum(file.stat().st_size for file in plan.files) * NATIVE_COPIES
-    if not low_memory or size <= available_memory():
-        return None
-    return (
-        f"low_memory: Transformers' model would need about {size / 2**30:.1f} GiB, "
-        f"{available_memory() / 2**30:.1f} GiB available"
+        exact=exact, swap_distance=swap_distance, measured=measured, swap_effect=effect, collapse=collapse
     )
 
 
@@ -207,22 +212,33 @@ def _measure_unswapped(native, plain_model, head: str, batch, compare_logits: bo
 
 def _distance(native, ours, head: str, batch, compare_hidden: bool, compare_logits: bool) -> Distance:
     """Max |difference| between two models on the real tokens of `batch`: last hidden state, head logits."""
-    input_ids, attention_mask = batch
-    real = attention_mask.bool()
+    real = batch[1].bool()
+    native_hidden, native_logits = _outputs(native, head, batch, compare_logits)
+    ours_hidden, ours_logits = _outputs(ours, head, batch, compare_logits)
     hidden_diff = logits_diff = None
-    with torch.no_grad():
-        if compare_hidden:
-            native_hidden = native.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
-            ours_hidden = ours.base_model(input_ids, attention_mask=attention_mask).last_hidden_state
-            hidden_diff = (native_hidden - ours_hidden)[real].abs().max().item()
-        if compare_logits:
-            native_outputs = native(input_ids, attention_mask=attention_mask, return_dict=False)
-            ours_outputs = ours(input_ids, attention_mask=attention_mask, return_dict=False)
-            count = 2 if head == "question-answering" else 1  # start and end logits
-            differences = [(a - b).abs() for a, b in zip(native_outputs[:count], ours_outputs[:count])]
-            per_token = head != "sequence-classification"
-            logits_diff = max((d[real] if per_token else d).max().item() for d in differences)
+    if compare_hidden:
+        hidden_diff = (native_hidden - ours_hidden)[real].abs().max().item()
+    if compare_logits:
+        differences = [(a - b).abs() for a, b in zip(native_logits, ours_logits)]
+        per_token = head != "sequence-classification"
+        logits_diff = max((d[real] if per_token else d).max().item() for d in differences)
     return Distance(last_hidden_state_max_abs_diff=hidden_diff, logits_max_abs_diff=logits_diff)
+
+
+@torch.no_grad()
+def _outputs(model, head: str, batch, logits: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The base model's last hidden state and, with `logits`, the head's logits (start and end logits for question
+    answering), from one forward."""
+    input_ids, attention_mask = batch
+    if not logits:
+        return model.base_model(input_ids, attention_mask=attention_mask).last_hidden_state, ()
+    captured = []
+    hook = model.base_model.register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    try:
+        outputs = model(input_ids, attention_mask=attention_mask, return_dict=False)
+    finally:
+        hook.remove()
+    return captured[0], outputs[: 2 if head == "question-answering" else 1]
 
 
 def _within_tolerance(distance: Distance) -> bool:
