@@ -23,13 +23,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 
 WORKER = """
-import json, resource, shutil, sys, time
+import json, shutil, sys, time
 from pathlib import Path
 from safetensors.torch import load_file, save_file
 from hf_normswap import convert_checkpoint
+from hf_normswap.memory import process_peak
 
 mode, source, output = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-imports_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+imports_kb = process_peak() // 1024
 
 
 def work(folder):
@@ -47,7 +48,7 @@ shutil.rmtree(output / "warm-up")
 start = time.perf_counter()
 work(output / "timed")
 seconds = time.perf_counter() - start
-peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak_kb = process_peak() // 1024  # conversion's stages reset the high-water mark that ru_maxrss reads
 print(json.dumps({"seconds": seconds, "imports_kb": imports_kb, "peak_kb": peak_kb}))
 """
 

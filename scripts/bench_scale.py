@@ -21,7 +21,6 @@
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -45,14 +44,15 @@ def worker(record: str, command: list[str]) -> int:
     suffix added under torchrun) its seconds, the peak resident memory after the imports and at the end, and the
     peak CUDA memory."""
     from hf_normswap.cli import main as cli
+    from hf_normswap.memory import process_peak
 
-    imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    imports = process_peak()
     started = time.perf_counter()
     code = plain_load_and_save(Path(command[1]), Path(command[2])) if command[0] == "plain" else cli(command)
     figures = {
         "seconds": time.perf_counter() - started,
         "imports_rss": imports,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": process_peak(),  # conversion's stages reset the high-water mark that ru_maxrss reads
         "peak_cuda": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         "code": code,
     }
@@ -153,6 +153,11 @@ def conversion(args, work: Path) -> None:
     figures = {
         name: run_worker(work / f"record-{index}", command)[0] for index, (name, command) in enumerate(runs.items())
     }
+    statistics = refit_statistics_bytes(**shape)
+    print(
+        f"calibration statistics: {statistics / 1e6:.1f} MB (the largest refit, the down projection's: Gram matrix, "
+        f"cross-products and write in float64); peak target {(2 * largest + statistics) / 1e6:.1f} MB above imports"
+    )
     plain = figures["plain safetensors load + save"]["seconds"]
     print(
         f"{'run (after imports)':32} {'seconds':>8} {'x plain':>8} {'peak MB':>8} {'(peak - imports) / largest':>27}"
@@ -168,6 +173,14 @@ def conversion(args, work: Path) -> None:
         record = json.loads((work / folder / "conversion.json").read_text())
         if "memory" in record:
             print(f"conversion.json memory record, {folder}: {json.dumps(record['memory'])}")
+
+
+def refit_statistics_bytes(hidden_size: int, intermediate_size: int, **_) -> int:
+    """What calibration's largest refit holds (`convert.refit.WriteFit`, one at a time): for the down projection, with
+    n = intermediate_size + 1 inputs (a ones column) and hidden_size outputs, the n x n Gram matrix, two n x hidden
+    cross-products and the n x hidden write, in float64."""
+    inputs = intermediate_size + 1
+    return 8 * (inputs * inputs + 3 * inputs * hidden_size)
 
 
 def tiny_llama(folder: Path) -> Path:

@@ -32,6 +32,8 @@ def test_conversion_quick(tmp_path):
         "... --low-memory",
     ]
     assert list(rows) == expected
+    # the quick source's down projection: 173 inputs (with the ones column), 64 outputs, float64
+    assert lines[1].startswith(f"calibration statistics: {8 * (173 * 173 + 3 * 173 * 64) / 1e6:.1f} MB"), lines[1]
     assert rows["plain safetensors load + save"][3] == "1.00"  # the time against itself
     for match in rows.values():
         seconds, ratio, peak_mb = float(match[2]), float(match[3]), int(match[4])

@@ -99,6 +99,31 @@ def test_conversion_json_records_each_stages_peak_memory(tmp_path):
     assert plain["memory"]["calibrate_mib"] is None and plain["memory"]["verify_mib"] is None
 
 
+PEAK_ACROSS_RESETS = """
+import json, resource, torch
+from hf_normswap.memory import peak_memory, process_peak
+start = process_peak()
+block = torch.ones(64 * 2**20)  # 256 MiB, touched
+del block
+with peak_memory() as peak:
+    pass
+maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+figures = {"start": start, "after": process_peak(), "maxrss": maxrss, "block_mib": peak.mib, "method": peak.method}
+print(json.dumps(figures))
+"""
+
+
+def test_the_process_peak_survives_the_stages_resets():
+    """A stage's reset of Linux's high-water mark also lowers ru_maxrss; `process_peak` keeps what was reset."""
+    done = subprocess.run([sys.executable, "-c", PEAK_ACROSS_RESETS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.splitlines()[-1])
+    assert figures["after"] - figures["start"] >= 250 * 2**20
+    if figures["method"] == "VmHWM":  # the mark was reset: the empty block shows none of the earlier 256 MiB
+        assert figures["block_mib"] < 50
+        assert figures["maxrss"] - figures["start"] < 100 * 2**20
+
+
 def test_a_failed_calibration_leaves_nothing_on_disk(tmp_path, monkeypatch):
     """Neither the output, its staging folder, nor the stream's temporary files."""
     save_source(tmp_path / "bert", "bert", "Model")
