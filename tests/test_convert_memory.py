@@ -100,28 +100,26 @@ def test_conversion_json_records_each_stages_peak_memory(tmp_path):
 
 
 PEAK_ACROSS_RESETS = """
-import json, resource, torch
+import json, torch
 from hf_normswap.memory import peak_memory, process_peak
 start = process_peak()
 block = torch.ones(64 * 2**20)  # 256 MiB, touched
 del block
 with peak_memory() as peak:
     pass
-maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-figures = {"start": start, "after": process_peak(), "maxrss": maxrss, "block_mib": peak.mib, "method": peak.method}
+figures = {"start": start, "after": process_peak(), "block_mib": peak.mib, "method": peak.method}
 print(json.dumps(figures))
 """
 
 
 def test_the_process_peak_survives_the_stages_resets():
-    """A stage's reset of Linux's high-water mark also lowers ru_maxrss; `process_peak` keeps what was reset."""
+    """`process_peak` keeps the high-water mark that a stage's reset discarded."""
     done = subprocess.run([sys.executable, "-c", PEAK_ACROSS_RESETS], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(done.stdout.splitlines()[-1])
-    assert figures["after"] - figures["start"] >= 250 * 2**20
+    assert figures["after"] - figures["start"] >= 250 * 2**20, figures
     if figures["method"] == "VmHWM":  # the mark was reset: the empty block shows none of the earlier 256 MiB
-        assert figures["block_mib"] < 50
-        assert figures["maxrss"] - figures["start"] < 100 * 2**20
+        assert figures["block_mib"] < 50, figures
 
 
 def test_a_failed_calibration_leaves_nothing_on_disk(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
-"""NormSwap models whose layers stay on disk: built with their parameters on the meta device, the parts outside the
-layers (embeddings, final norm, head) loaded whole, and each layer loaded when it runs and dropped when another layer
-of the same model is loaded, so that memory holds one layer of each model. A model loaded from a folder it is written
-back to writes the tensors that changed back into the folder's shards, in place, as it drops them."""
+"""NormSwap models whose layers stay on disk: built with their parameters on the meta device, each layer loaded when it
+runs and dropped when another layer of the same model is loaded, the input and output embeddings loaded when they run
+and dropped after, and the rest (norms, pooler, head transforms) loaded whole, so that memory holds one layer of each
+model. A model loaded from a folder it is written back to writes the tensors that changed back into the folder's
+shards, in place, as it drops them."""
 
 import weakref
 from collections.abc import Callable
@@ -124,10 +125,25 @@ class LazyLayers:
         changed = {
             name: tensor
             for name, tensor in tensors.items()
-            if name in self.loaders and not torch.equal(tensor, self.loaders[name]().to(tensor.dtype))
+            if name in self.loaders
+            and tensor.device.type != "meta"
+            and not torch.equal(tensor, self.loaders[name]().to(tensor.dtype))
         }
         update_tensors(folder=self.folder, tensors=changed)
         self.changed |= changed.keys()
+
+    def stream(self, module: nn.Module, prefix: str) -> None:
+        """Reads `module`'s own weights (named under `prefix`) when it runs and drops them after, writing changes
+        back."""
+
+        def drop(module, args, output):
+            self._write_changes({prefix + name: tensor for name, tensor in module._parameters.items()})
+            module.to("meta")
+
+        module.register_forward_pre_hook(
+            lambda module, args: assign_weights(self.model, module, prefix, reader(self.loaders), recurse=False)
+        )
+        module.register_forward_hook(drop)
 
     def release(self) -> None:
         """Drops the loaded layer, writing its changed tensors back."""
@@ -153,16 +169,29 @@ def load_layer(base: nn.Module, index: int) -> nn.Module:
 
 
 def lazy_model(config: NormSwapConfig, head: str, loaders: Loaders, folder: Path | None = None) -> nn.Module:
-    """The NormSwap model of `head` and `config` with lazy layers (`LazyLayers`, reachable with `lazy_of`), the rest
-    loaded, in float32 and evaluation mode."""
+    """The NormSwap model of `head` and `config` with lazy layers (`LazyLayers`, reachable with `lazy_of`), lazy
+    input and output embeddings (`LazyLayers.stream`; a tied head reads its own copy), the rest loaded, in float32 and
+    evaluation mode."""
     with init_empty_weights(include_buffers=False):
         model = HEAD_CLASSES[head]._from_config(config, dtype=torch.float32)
-    layers = f"{'' if model.base_model is model else model.base_model_prefix + '.'}layers."
+    tied = model.all_tied_weights_keys.items()
+    loaders = {**{target: loaders[source] for target, source in tied if source in loaders}, **loaders}
+    lazy = LazyLayers(model, loaders, folder)
+    names = {module: name for name, module in model.named_modules()}
+    embeddings = [model.get_input_embeddings(), model.get_output_embeddings()]
+    streamed = [
+        module
+        for module in embeddings
+        if module is not None and all(f"{names[module]}.{name}" in loaders for name in module._parameters)
+    ]
+    layers = f"{lazy.prefix}layers"
     for name, module in model.named_modules():
-        if not name.startswith(layers.rstrip(".")) and next(module.parameters(recurse=False), None) is not None:
+        if module in streamed or name == layers or name.startswith(f"{layers}."):
+            continue
+        if next(module.parameters(recurse=False), None) is not None:
             assign_weights(model, module, f"{name}." if name else "", reader(loaders), recurse=False)
-    model.tie_weights()
-    LazyLayers(model, loaders, folder)
+    for module in streamed:
+        lazy.stream(module, f"{names[module]}.")
     return model.eval()
 
 
