@@ -1,16 +1,20 @@
-"""Peak resident memory of a block of code, and of the process, measured by the kernel."""
+"""Peak resident memory of a block of code, and of the process, measured by the kernel; handing freed memory back."""
 
 import contextlib
+import ctypes
+import platform
 import resource
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import torch
 
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 _discarded_peak = 0  # bytes: the highest high-water mark a reset discarded
 
 
@@ -66,3 +70,16 @@ def peak_memory() -> Iterator[Peak]:
 def available_memory() -> int:
     """The memory, in bytes, that can be used without swapping (Linux's MemAvailable)."""
     return psutil.virtual_memory().available
+
+
+def release_freed_memory() -> None:
+    """On CPU, returns the freed heap to the system and has glibc hand freed blocks of 1 MiB and more back at once,
+    instead of keeping them for reuse (its default for blocks under a threshold that grows to 32 MiB), for the rest of
+    the process. A sharded process, or a conversion holding one layer at a time, allocates and frees whole units over
+    and over; the heap would otherwise keep the high-water mark of every size it has seen (measured:
+    docs/experiments/scale.md). Costs page faults at each such allocation."""
+    if torch.accelerator.is_available() or platform.libc_ver()[0] != "glibc":
+        return
+    libc = ctypes.CDLL(None)
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    libc.malloc_trim(0)

@@ -195,7 +195,7 @@ def test_sharded_comparison_equals_one_process(tmp_path):
 
 FRAGMENTED_HEAP = """
 import torch
-from hf_normswap.sharding.fsdp import release_freed_memory
+from hf_normswap.memory import release_freed_memory
 
 def resident_mib():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) // 1024

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import TOKENIZER_FILES, check_output, copy_companion_files, output_folder
 from ..gguf import local_checkpoint
-from ..memory import available_memory, peak_memory
+from ..memory import available_memory, peak_memory, release_freed_memory
 from ..model import copy_remote_code
 from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers
 from .norm_mapping import norm_slots
@@ -124,6 +124,8 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
         with peak_memory() as write_peak:
             weights, tokenizer, target_config = _write(plan, staging)
         low_memory = _low_memory(plan, options, log)
+        if low_memory:
+            release_freed_memory()  # layers are allocated and freed over and over: the heap would keep them
         with peak_memory() as calibrate_peak:
             plain_model, calibration = _calibrate(plan, options, staging, weights, low_memory, log)
         with peak_memory() as verify_peak:

@@ -212,6 +212,8 @@ def _measure_unswapped(native, plain_model, head: str, batch, compare_logits: bo
 
 def _distance(native, ours, head: str, batch, compare_hidden: bool, compare_logits: bool) -> Distance:
     """Max |difference| between two models on the real tokens of `batch`: last hidden state, head logits."""
+    if not (compare_hidden or compare_logits):
+        return Distance(last_hidden_state_max_abs_diff=None, logits_max_abs_diff=None)
     real = batch[1].bool()
     native_hidden, native_logits = _outputs(native, head, batch, compare_logits)
     ours_hidden, ours_logits = _outputs(ours, head, batch, compare_logits)

@@ -8,8 +8,6 @@ owning its placement and gradient reduction, which keeps the Trainer from wrappi
 """
 
 import contextlib
-import ctypes
-import platform
 from collections.abc import Iterator
 
 import torch
@@ -19,11 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
+from ..memory import release_freed_memory
 from ..model.evaluation_mode import evaluation_mode
 from .options import ShardingOptions
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
 def processes() -> PartialState:
@@ -160,19 +156,6 @@ def unsharded(model: torch.nn.Module) -> torch.nn.Module | None:
     if missing:
         raise RuntimeError(f"gathered state of {plain_class.__name__} lacks {missing[:3]}")
     return plain
-
-
-def release_freed_memory() -> None:
-    """On CPU, returns the freed heap to the system and has glibc hand freed blocks of 1 MiB and more back at once,
-    instead of keeping them for reuse (its default for blocks under a threshold that grows to 32 MiB). A sharded
-    process frees whole weights once sharded, and allocates and frees whole units at every gather and reshard; the
-    heap would otherwise keep the high-water mark of every size it has seen (measured on SmolLM2-135M:
-    docs/experiments/scale.md). Costs page faults at each such allocation."""
-    if torch.accelerator.is_available() or platform.libc_ver()[0] != "glibc":
-        return
-    libc = ctypes.CDLL(None)
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
-    libc.malloc_trim(0)
 
 
 def token_share(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
