@@ -137,9 +137,8 @@ def conversion(args, work: Path) -> None:
     largest = max(shard.stat().st_size for shard in shards)
     total = sum(shard.stat().st_size for shard in shards)
     print(f"checkpoint: {total / 1e6:.1f} MB in {len(shards)} shards, largest {largest / 1e6:.1f} MB ({shape})")
-    plain = ["plain", str(source), str(work / "plain")]
     runs = {
-        "plain safetensors load + save": plain,
+        "plain safetensors load + save": ["plain", str(source), str(work / "plain")],
         "convert --norm-placement pre": ["convert", str(source), str(work / "calibrated"), "--norm-placement", "pre"],
         "  ... --no-calibrate": [
             "convert", str(source), str(work / "uncalibrated"), "--norm-placement", "pre", "--no-calibrate"
@@ -155,8 +154,9 @@ def conversion(args, work: Path) -> None:
     figures, baselines = {}, {}
     for index, (name, command) in enumerate(runs.items()):
         # the page cache fills from run to run and slows writing: each run is timed against a plain one just before
-        shutil.rmtree(work / "plain", ignore_errors=True)
-        baselines[name] = run_worker(work / f"plain-{index}", plain)[0]["seconds"]
+        shutil.rmtree(work / "baseline", ignore_errors=True)
+        baseline = ["plain", str(source), str(work / "baseline")]
+        baselines[name] = run_worker(work / f"baseline-{index}", baseline)[0]["seconds"]
         figures[name] = run_worker(work / f"record-{index}", command)[0]
     statistics = refit_statistics_bytes(**shape)
     print(
