@@ -153,7 +153,7 @@ def conversion(args, work: Path) -> None:
     }  # fmt: skip
     figures, baselines = {}, {}
     for index, (name, command) in enumerate(runs.items()):
-        # the page cache fills from run to run and slows writing: each run is timed against a plain one just before
+        # a large write right after another runs several times slower: each run is paired with a plain one before it
         shutil.rmtree(work / "baseline", ignore_errors=True)
         baseline = ["plain", str(source), str(work / "baseline")]
         baselines[name] = run_worker(work / f"baseline-{index}", baseline)[0]["seconds"]
