@@ -116,7 +116,7 @@ def random_batch(vocab_size: int, pad_token_id: int | None, seed: int = 0):
 def load_written(folder: Path, head: str, low_memory: bool) -> torch.nn.Module:
     """The model written in FOLDER in float32: whole, or with lazy layers that write their changes back."""
     if not low_memory:
-        return HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32).eval()
+        return load_pretrained(HEAD_CLASSES[head], folder, low_memory=False)
     return lazy_model(NormSwapConfig.from_pretrained(folder), head, folder_loaders(folder), folder=folder)
 
 
