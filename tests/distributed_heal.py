@@ -3,8 +3,10 @@
 membership, its embeddings gathered whole) to the JSON file named on the command line.
 
 Run by `tests/test_sharding.py`: 2 sharded processes with PER_DEVICE texts each must heal as 1 process with
-2 * PER_DEVICE does (no dropout, the same texts making up every step); with --activation-checkpointing, the tied
-variant heals with its layers recomputed in the backward pass, as it does without."""
+2 * PER_DEVICE does (no dropout, the same texts making up every step); the tied variant heals twice, with the KL's
+teacher logits from the teacher's head a chunk at a time and from its forward (`-forward`); with
+--activation-checkpointing, the tied variant heals (its head a chunk at a time) with its layers recomputed in the
+backward pass."""
 
 import json
 import sys
@@ -15,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_normswap import heal_checkpoint
+from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.trainer import HealTrainer
 
 
@@ -45,14 +48,23 @@ original_step = HealTrainer.training_step
 HealTrainer.training_step = training_step
 
 
+def teacher_logits(forward: bool):
+    """The KL's teacher logits from the teacher's forward (`forward`) or from its head a chunk at a time, whatever
+    the rows."""
+    trainer_module.teacher_logits_from_forward = lambda rows, teacher, device: forward
+
+
 if __name__ == "__main__":
     folder, record, per_device = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     checkpointing = sys.argv[4:] == ["--activation-checkpointing"]  # then the tied variant alone
-    healings = [("tied", "kl")] if checkpointing else [("tied", "kl"), ("untied", "kl"), ("bert", "hidden")]
-    suffix = "-checkpointed" if checkpointing else ""
+    # (name, objective, the teacher's logits from its forward, the output's suffix)
+    healings = [("tied", "kl", False, "-checkpointed" if checkpointing else "")]
+    if not checkpointing:
+        healings += [("tied", "kl", True, "-forward"), ("untied", "kl", False, ""), ("bert", "hidden", False, "")]
     results = {}
-    for name, objective in healings:
+    for name, objective, forward, suffix in healings:
         teacher_record.clear()
+        teacher_logits(forward)
         heal_checkpoint(
             str(folder / name / "variant"),
             str(folder / name / f"healed-{per_device}{suffix}"),
@@ -66,6 +78,6 @@ if __name__ == "__main__":
             activation_checkpointing=checkpointing,
             log=None,
         )
-        results[name] = list(teacher_record)
+        results[name + suffix.replace("-checkpointed", "")] = list(teacher_record)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         record.write_text(json.dumps(results, indent=1))

@@ -132,6 +132,24 @@ def test_chunked_kl_equals_the_whole(llama, monkeypatch):
     assert torch.allclose(gradient, expected, atol=1e-7)
 
 
+def test_kl_takes_the_teachers_log_probabilities_from_its_forward(llama):
+    source = load_unswapped(str(llama / "llama"), head="causal-lm")
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
+    input_ids = torch.randint(4, 60, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outputs = source(input_ids, output_hidden_states=True)
+    teacher_states = outputs.hidden_states[-1].flatten(0, 1)
+    states = torch.randn(10, 32, requires_grad=True)
+    from_forward = losses.next_token_kl(
+        student, source, states, teacher_states, F.log_softmax(outputs.logits.flatten(0, 1), -1)
+    )
+    from_head = losses.next_token_kl(student, source, states, teacher_states)
+    assert from_forward.item() == pytest.approx(from_head.item(), rel=1e-5)
+    hidden = source.config.hidden_size  # 32: the forward's logits while the rows are no more
+    assert losses.teacher_logits_from_forward(hidden, source, torch.device("cpu"))
+    assert not losses.teacher_logits_from_forward(hidden + 1, source, torch.device("cpu"))
+
+
 def test_teacher_samples_are_distinct(llama):
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")

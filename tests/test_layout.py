@@ -1,6 +1,8 @@
 """The package's shape: imports run one way between the sub-packages, modules and functions stay small."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +100,10 @@ def test_modules_and_functions_are_small(name):
         ):
             length = node.end_lineno - node.lineno + 1
             assert length <= MAX_FUNCTION_LINES, f"{path}:{node.lineno} {node.name}: {length} lines"
+
+
+def test_the_command_line_imports_no_comparison_runner():
+    """Every process of a healing imports the command line: evaluate and matplotlib (55 MiB) wait for a comparison."""
+    code = "import sys, hf_normswap.cli; print(sorted({'evaluate', 'matplotlib'} & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"

@@ -90,9 +90,9 @@ def _logged(folder, key: str) -> list[float]:
     return [entry[key] for entry in history if key in entry and "train_loss" not in entry]
 
 
-@pytest.mark.parametrize("name", ["tied", "untied", "bert"])
-def test_sharded_healing_equals_one_process_step_by_step(healed, name):
-    two, one = healed / name / "healed-4", healed / name / "healed-8"
+@pytest.mark.parametrize("name, suffix", [("tied", ""), ("tied", "-forward"), ("untied", ""), ("bert", "")])
+def test_sharded_healing_equals_one_process_step_by_step(healed, name, suffix):
+    two, one = healed / name / f"healed-4{suffix}", healed / name / f"healed-8{suffix}"
     for key in ("loss", "grad_norm"):
         got, expected = _logged(two, key), _logged(one, key)
         assert len(got) == len(expected) == 4
@@ -106,6 +106,18 @@ def test_sharded_healing_equals_one_process_step_by_step(healed, name):
     for boundary, expected_boundary in zip(report["after"], reference["after"]):
         assert abs(boundary["mse"] - expected_boundary["mse"]) <= TOLERANCE
         assert abs(boundary["token_cosine"] - expected_boundary["token_cosine"]) <= TOLERANCE
+
+
+def test_the_teachers_logits_from_its_forward_change_nothing(healed):
+    """The KL with the teacher's logits from its forward, and from its head a chunk at a time, heals alike."""
+    for per_device in (4, 8):
+        forward, chunked = (healed / "tied" / f"healed-{per_device}{suffix}" for suffix in ("-forward", ""))
+        for key in ("loss", "grad_norm"):
+            got, expected = _logged(forward, key), _logged(chunked, key)
+            assert len(got) == len(expected) == 4
+            assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
+        got, expected = tensors(forward), tensors(chunked)
+        assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE
 
 
 def test_sharded_activation_checkpointing_changes_nothing(healed):

@@ -167,11 +167,12 @@ def verify_conversion(
     # causal-LM classifiers find the last token by the pad id: the one the batch is padded with
     native.config.pad_token_id = padding_id(native.config.pad_token_id, plain.eos_token_id, plain.vocab_size)
     batch = random_batch(plain.vocab_size, native.config.pad_token_id)
-    measured = _measure_unswapped(native, plain_model, plan.head, batch, compare_logits, log)
+    source, source_name = _outputs(native, plan.head, batch, compare_logits), type(native).__name__
+    del native  # its outputs are all the comparisons need
+    measured = _measure_unswapped(source, source_name, plain_model, plan.head, batch, compare_logits, log)
     written = load_pretrained(HEAD_CLASSES[plan.head], folder, low_memory)
     compare_hidden = keeps_last_hidden_state(kind=plan.exact_swap, head=plan.head)
-    swap_distance = _distance(native, written, plan.head, batch, compare_hidden, compare_logits)
-    del native
+    swap_distance = _distance(source, written, plan.head, batch, compare_hidden, compare_logits)
     exact = (compare_hidden or compare_logits) and _within_tolerance(swap_distance)
     compared = ", ".join(
         f"{what} {value:.2e}"
@@ -192,13 +193,14 @@ def verify_conversion(
     )
 
 
-def _measure_unswapped(native, plain_model, head: str, batch, compare_logits: bool, log) -> Measured:
-    """How far the unswapped conversion is from the source; raises beyond tolerance."""
-    distance = _distance(native, plain_model, head, batch, True, compare_logits)
+def _measure_unswapped(source, source_name: str, plain_model, head: str, batch, compare_logits: bool, log) -> Measured:
+    """How far the unswapped conversion is from the `source` outputs (of Transformers' `source_name`); raises beyond
+    tolerance."""
+    distance = _distance(source, plain_model, head, batch, True, compare_logits)
     hidden, logits = distance.last_hidden_state_max_abs_diff, distance.logits_max_abs_diff
     mode = "causal" if plain_model.config.is_causal else "bidirectional"
     log(
-        f"verified against {type(native).__name__} ({mode}): max |difference| last hidden state {hidden:.2e}"
+        f"verified against {source_name} ({mode}): max |difference| last hidden state {hidden:.2e}"
         + (f", logits {logits:.2e}" if logits is not None else "")
     )
     if not _within_tolerance(distance):
@@ -210,12 +212,13 @@ def _measure_unswapped(native, plain_model, head: str, batch, compare_logits: bo
     return Measured(last_hidden_state_max_abs_diff=hidden, logits_max_abs_diff=logits, mode=mode)
 
 
-def _distance(native, ours, head: str, batch, compare_hidden: bool, compare_logits: bool) -> Distance:
-    """Max |difference| between two models on the real tokens of `batch`: last hidden state, head logits."""
+def _distance(source, ours, head: str, batch, compare_hidden: bool, compare_logits: bool) -> Distance:
+    """Max |difference| between the `source` outputs (`_outputs`) and model `ours`'s on the real tokens of `batch`:
+    last hidden state, head logits."""
     if not (compare_hidden or compare_logits):
         return Distance(last_hidden_state_max_abs_diff=None, logits_max_abs_diff=None)
     real = batch[1].bool()
-    native_hidden, native_logits = _outputs(native, head, batch, compare_logits)
+    native_hidden, native_logits = source
     ours_hidden, ours_logits = _outputs(ours, head, batch, compare_logits)
     hidden_diff = logits_diff = None
     if compare_hidden:

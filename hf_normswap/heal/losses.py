@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..probes.collapse import POOLINGS, pool
-from ..sharding.fsdp import chunk_count, gathered
+from ..sharding.fsdp import agreed_max, chunk_count, gathered
 
 
 def comparable(student: tuple, teacher: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -59,17 +59,30 @@ def masked_lm_distillation(student: torch.Tensor, teacher: torch.Tensor, labels:
 TOKENS_PER_CHUNK = 256  # next-token logits held at once: 256 x a 49k vocabulary is 50 MB in float32
 
 
+def teacher_logits_from_forward(rows: int, teacher: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the KL takes the teacher's next-token logits from its own forward, held for all `rows` (rows x vocab),
+    rather than from its head a chunk at a time (sharded, each chunk gathers the head: vocab x hidden): when they
+    take less memory, that is when no process has more rows than the hidden size."""
+    return agreed_max(rows, device) <= teacher.config.hidden_size
+
+
 def next_token_kl(
-    student: torch.nn.Module, teacher: torch.nn.Module, states: torch.Tensor, teacher_states: torch.Tensor
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    states: torch.Tensor,
+    teacher_states: torch.Tensor,
+    teacher_log_probs: torch.Tensor | None = None,
 ):
     """The mean over rows of KL(teacher || student) of the next-token distributions that the two causal LMs' heads
     give the final states (rows, hidden). Computed `TOKENS_PER_CHUNK` rows at a time, each chunk's logits recomputed
-    in the backward pass, so that memory holds one chunk's logits whatever the vocabulary. Under data parallelism
-    every process runs as many chunks (some may be empty), gathering a sharded teacher's head for each."""
+    in the backward pass, so that memory holds one chunk's logits whatever the vocabulary. The teacher's are
+    `teacher_log_probs` (rows, vocab) where given, else its head's on `teacher_states`: under data parallelism every
+    process then runs as many chunks (some may be empty), gathering a sharded teacher's head for each."""
     total = states.new_zeros((), dtype=torch.float32)
     chunks = chunk_count(len(states), TOKENS_PER_CHUNK, states.device)
-    for rows, teacher_rows in zip(states.tensor_split(chunks), teacher_states.tensor_split(chunks)):
-        total = total + checkpoint(_chunk_kl, student, teacher, rows, teacher_rows, use_reentrant=False)
+    targets = [None] * chunks if teacher_log_probs is None else teacher_log_probs.tensor_split(chunks)
+    for rows, teacher_rows, target in zip(states.tensor_split(chunks), teacher_states.tensor_split(chunks), targets):
+        total = total + checkpoint(_chunk_kl, student, teacher, rows, teacher_rows, target, use_reentrant=False)
     return total / max(1, len(states))
 
 
@@ -83,9 +96,10 @@ def token_log_probs(model: torch.nn.Module, states: torch.Tensor) -> torch.Tenso
     return F.log_softmax(logits.float(), -1)
 
 
-def _chunk_kl(student, teacher, rows: torch.Tensor, teacher_rows: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad(), gathered(teacher):
-        target = token_log_probs(teacher, teacher_rows)
+def _chunk_kl(student, teacher, rows: torch.Tensor, teacher_rows: torch.Tensor, target: torch.Tensor | None):
+    if target is None:
+        with torch.no_grad(), gathered(teacher):
+            target = token_log_probs(teacher, teacher_rows)
     return F.kl_div(token_log_probs(student, rows), target, log_target=True, reduction="sum")
 
 

@@ -9,12 +9,13 @@ batch (exactly so for `hidden` and `kl`; the batch-level terms of `similarity`, 
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..model.packing import pack_padded, unpack
 from ..sharding.fsdp import gathered, token_share, trainer_arguments
-from .losses import heal_loss, masked_lm_distillation, next_token_kl
+from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure
 from .options import HealOptions
 
@@ -35,23 +36,29 @@ class HealTrainer(Trainer):
         labels = inputs.pop("labels", None)
         packed, index = pack_padded(inputs) if self.packing else (inputs, None)
         packed = {key: value.to(self.args.device) for key, value in packed.items()}
-        # a causal LM's logits are computed from its final states, a chunk at a time (`next_token_kl`)
-        keep = {"logits_to_keep": 1} if self.objective == "kl" else {}
-        with torch.no_grad():
-            teacher = _outputs(self.teacher, packed, index, token_logits=labels is not None, **keep)
-        student = _outputs(model, packed, index, token_logits=labels is not None, **keep)
         mask = inputs["attention_mask"].to(self.args.device)
+        # a causal LM's next-token logits are computed from its final states, a chunk at a time (`next_token_kl`);
+        # the teacher's come from its forward where they take less memory (`teacher_logits_from_forward`)
+        kl = self.objective == "kl"
+        teacher_logits = kl and teacher_logits_from_forward(mask.numel(), self.teacher, self.args.device)
+        keep = {"logits_to_keep": 1} if kl else {}
+        teacher_keep = {} if teacher_logits else keep
+        with torch.no_grad():
+            teacher = _outputs(self.teacher, packed, index, labels is not None or teacher_logits, **teacher_keep)
+        student = _outputs(model, packed, index, token_logits=labels is not None, **keep)
         tokens = token_share(mask.sum(), self.args.device)
-        objective = "hidden" if self.objective == "kl" else self.objective
+        objective = "hidden" if kl else self.objective
         loss = heal_loss(objective, student.hidden_states, teacher.hidden_states, mask) * tokens
         if labels is not None:  # masked-LM distillation on the masked tokens
             masked = token_share((labels != -100).sum(), self.args.device)
             loss = loss + masked_lm_distillation(student.logits, teacher.logits, labels=labels) * masked
-        if self.objective == "kl":
+        if kl:
             real = mask.bool()
             final, teacher_final = student.hidden_states[-1][real], teacher.hidden_states[-1][real]
+            targets = F.log_softmax(teacher.logits[real].float(), -1) if teacher_logits else None
+            teacher.logits = None
             head = self.accelerator.unwrap_model(model)  # a DDP wrapper hides the head
-            loss = loss + next_token_kl(head, self.teacher, final, teacher_final) * tokens
+            loss = loss + next_token_kl(head, self.teacher, final, teacher_final, targets) * tokens
         return (loss, student) if return_outputs else loss
 
 
