@@ -69,7 +69,7 @@ class MemoryRecord:
     calibrate_mib: float | None
     verify_mib: float | None
     measured_by: str
-    low_memory: bool  # calibration and verification ran one layer at a time (`ConvertOptions.low_memory`)
+    low_memory: bool  # calibration ran one layer at a time, verification one module (`ConvertOptions.low_memory`)
 
 
 @dataclass
@@ -201,7 +201,8 @@ def _low_memory(plan: ConversionPlan, options: ConvertOptions, log) -> bool:
     size = sum(file.stat().st_size for file in plan.files)
     low_memory = safetensors and size * WHOLE_MODEL_COPIES > available_memory()
     if low_memory:
-        log(f"calibrating and verifying one layer at a time: {size / 2**30:.1f} GiB of weights x {WHOLE_MODEL_COPIES}")
+        held = f"{size / 2**30:.1f} GiB of weights x {WHOLE_MODEL_COPIES}"
+        log(f"calibrating one layer and verifying one module at a time: {held} would not fit")
     return low_memory
 
 

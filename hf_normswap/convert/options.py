@@ -57,9 +57,9 @@ class ConvertOptions:
     low_memory: bool | None = field(
         default=None,
         metadata={
-            "help": "run calibration and verification one layer at a time (the source's and the written model's "
-            "layers read from their files as they run, Transformers' model with its layers offloaded to disk); "
-            "default: when the checkpoint would not fit whole (its size x 6 above available memory)"
+            "help": "calibrate one layer at a time (the unswapped and the written model's layers read from their "
+            "files as they run) and verify one module at a time (Transformers' disk offload); default: when the "
+            "checkpoint would not fit whole (its size x 6 above available memory)"
         },
     )
     allow_pickle: bool = field(
