@@ -9,11 +9,12 @@
     per process <= 0.6x the single process's; the two loss curves side by side.
 --part throughput (CUDA only): bf16 training tokens/s of the SmolLM2 student (post-LN NormSwap) in a heal-like loop
     (forward with hidden states, next-token loss, backward, AdamW step) against Transformers' LlamaForCausalLM with
-    the same weights. Target: ratio >= 1.0.
+    the same weights. Target: ratio >= 1.0. `--random-weights` takes SmolLM2-135M's configuration with random
+    weights instead of the GGUF file (the arithmetic, and so the speed, is the same).
 
     python scripts/bench_scale.py --part conversion [--quick]
     python scripts/bench_scale.py --part healing [--quick] [--max-steps 10]
-    python scripts/bench_scale.py --part throughput
+    python scripts/bench_scale.py --part throughput [--random-weights]
 
 --quick runs tiny models (seconds), as the smoke test does.
 """
@@ -36,6 +37,18 @@ ROOT = Path(__file__).resolve().parents[1]
 FULL_SOURCE = dict(hidden_size=2048, num_hidden_layers=10, intermediate_size=5504, vocab_size=32000)
 QUICK_SOURCE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=172, vocab_size=512)
 BYTE_TOKENIZER = ROOT / "hf_normswap" / "data" / "byte_tokenizer"
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+)
 CONVERSION_TARGETS = "targets: peak <= 2x largest shard + calibration statistics; time <= 1.5x plain load-and-save"
 
 
@@ -288,6 +301,15 @@ def train_tokens_per_second(model, input_ids: torch.Tensor, steps: int) -> float
     return steps * input_ids.numel() / (time.perf_counter() - started)
 
 
+def random_smollm2(folder: Path) -> Path:
+    """A LlamaForCausalLM of SmolLM2-135M's configuration (as its GGUF file gives it) with random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(folder)
+    return folder
+
+
 def throughput(args, work: Path) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("--part throughput measures bf16 training on a GPU: no CUDA device here")
@@ -296,7 +318,8 @@ def throughput(args, work: Path) -> None:
     from hf_normswap import NormSwapForCausalLM, convert_checkpoint, smollm2_gguf
     from hf_normswap.gguf import local_checkpoint
 
-    with local_checkpoint(str(smollm2_gguf())) as folder:
+    source = str(random_smollm2(work / "random") if args.random_weights else smollm2_gguf())
+    with local_checkpoint(source) as folder:
         convert_checkpoint(
             folder, str(work / "post"), norm_placement="post", attention="causal", verify=False, log=lambda _: None
         )
@@ -311,7 +334,11 @@ def throughput(args, work: Path) -> None:
         runs["Transformers LlamaForCausalLM"].append(train_tokens_per_second(native, input_ids, args.steps))
         runs["NormSwap post-LN student"].append(train_tokens_per_second(ours, input_ids, args.steps))
     speeds = {name: statistics.median(values) for name, values in runs.items()}
-    print(f"SmolLM2-135M, bf16 autocast, batch {args.batch_size} x {args.seq_length} tokens, median of {args.repeats}")
+    weights = "random weights" if args.random_weights else "the GGUF's weights"
+    print(
+        f"SmolLM2-135M ({weights}) on {torch.cuda.get_device_name()}, bf16 autocast, "
+        f"batch {args.batch_size} x {args.seq_length} tokens, median of {args.repeats}"
+    )
     for name, speed in speeds.items():
         print(f"{name:32} {speed:12.0f} tokens/s")
     ratio = speeds["NormSwap post-LN student"] / speeds["Transformers LlamaForCausalLM"]
@@ -333,6 +360,9 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=512, help="throughput: tokens per sequence")
     parser.add_argument("--steps", type=int, default=10, help="throughput: timed steps per repeat")
     parser.add_argument("--repeats", type=int, default=3, help="throughput: interleaved repeats")
+    parser.add_argument(
+        "--random-weights", action="store_true", help="throughput: SmolLM2-135M's configuration, random weights"
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     try:

@@ -6,13 +6,15 @@ Run by `tests/test_sharding.py`: 2 sharded processes with PER_DEVICE texts each 
 2 * PER_DEVICE does (no dropout, the same texts making up every step); the tied variant heals twice, with the KL's
 teacher logits from the teacher's head a chunk at a time and from its forward (`-forward`); with
 --activation-checkpointing, the tied variant heals (its head a chunk at a time) with its layers recomputed in the
-backward pass."""
+backward pass. `tests/test_sharding_gpu.py` runs it under `accelerate launch` on a GPU, also with --bf16 (bfloat16
+mixed precision; the outputs' suffix `-bf16`)."""
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,6 +39,8 @@ def training_step(self, model, inputs, num_items_in_batch=None):
             "in_optimizer": sum(id(p) in in_optimizer for p in teacher),
             "student_training": model.training,
             "student_wrapped": isinstance(model, DistributedDataParallel),
+            "student_sharded": isinstance(model, FSDPModule),
+            "teacher_sharded": isinstance(self.teacher, FSDPModule),
             "student_checkpointing": getattr(model, "module", model).is_gradient_checkpointing,
             "teacher_gathered": not isinstance(self.teacher.get_input_embeddings().weight, DTensor),
         }
@@ -55,19 +59,28 @@ def teacher_logits(forward: bool):
 
 
 if __name__ == "__main__":
-    folder, record, per_device = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-    checkpointing = sys.argv[4:] == ["--activation-checkpointing"]  # then the tied variant alone
-    # (name, objective, the teacher's logits from its forward, the output's suffix)
-    healings = [("tied", "kl", False, "-checkpointed" if checkpointing else "")]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("record", type=Path)
+    parser.add_argument("per_device", type=int)
+    parser.add_argument("--activation-checkpointing", action="store_true", help="the tied variant alone")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--tag", default="", help="appended to the outputs' names")
+    arguments = parser.parse_args()
+    folder, record, per_device = arguments.folder, arguments.record, arguments.per_device
+    checkpointing = arguments.activation_checkpointing
+    suffix = ("-checkpointed" if checkpointing else "") + ("-bf16" if arguments.bf16 else "") + arguments.tag
+    # (name, objective, the teacher's logits from its forward)
+    healings = [("tied", "kl", False)]
     if not checkpointing:
-        healings += [("tied", "kl", True, "-forward"), ("untied", "kl", False, ""), ("bert", "hidden", False, "")]
+        healings += [("tied", "kl", True), ("untied", "kl", False), ("bert", "hidden", False)]
     results = {}
-    for name, objective, forward, suffix in healings:
+    for name, objective, forward in healings:
         teacher_record.clear()
         teacher_logits(forward)
         heal_checkpoint(
             str(folder / name / "variant"),
-            str(folder / name / f"healed-{per_device}{suffix}"),
+            str(folder / name / f"healed-{per_device}{'-forward' if forward else ''}{suffix}"),
             data=str(folder / "text.txt"),
             objective=objective,
             max_steps=STEPS,
@@ -76,8 +89,9 @@ if __name__ == "__main__":
             eval_size=8,
             fsdp=True,
             activation_checkpointing=checkpointing,
+            bf16=arguments.bf16,
             log=None,
         )
-        results[name + suffix.replace("-checkpointed", "")] = list(teacher_record)
+        results[name + ("-forward" if forward else "")] = list(teacher_record)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         record.write_text(json.dumps(results, indent=1))

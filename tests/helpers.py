@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import BertTokenizer, PreTrainedTokenizerFast
 
-from hf_normswap import NormSwapConfig
+from hf_normswap import NormSwapConfig, convert_checkpoint
 from hf_normswap.probes.probe_data import SENTENCES
 
 
@@ -214,3 +214,39 @@ LLAMA_LIKE = dict(
     attention_bias=False,
     mlp_bias=False,
 )
+
+
+# Sharded healing (tests/test_sharding.py, tests/test_sharding_gpu.py): the tolerance of float32 sums reordered
+TOLERANCE = 1e-5
+# A key bias shifts every score of a query alike, which softmax ignores: its gradient is zero but for rounding,
+# which Adam scales up to steps of the learning rate's size in either run. Its weights are not compared.
+ZERO_GRADIENT = "k_proj.bias"
+
+
+def sharding_variants(folder: Path) -> Path:
+    """Tiny LLaMAs with a tied and an untied head converted to post-LN (causal), a BERT converted to pre-LN, and a
+    text file to heal them on."""
+    sources = {
+        "tied": ("llama", "ForCausalLM", {"tie_word_embeddings": True}),
+        "untied": ("llama", "ForCausalLM", {"tie_word_embeddings": False}),
+        "bert": ("bert", "Model", {}),
+    }
+    for name, (family, head, fields) in sources.items():
+        save_source(folder / name / "source", family, head, initializer_range=0.2, **fields)
+        causal = {"attention": "causal"} if family == "llama" else {}
+        convert_checkpoint(
+            str(folder / name / "source"),
+            str(folder / name / "variant"),
+            norm_placement="post" if family == "llama" else "pre",
+            calibrate=False,
+            log=lambda line: None,
+            **causal,
+        )
+    (folder / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
+    return folder
+
+
+def logged(folder, key: str) -> list[float]:
+    """The values of `key` that the healing in `folder` logged at each step."""
+    history = json.loads((folder / "heal.json").read_text())["log_history"]
+    return [entry[key] for entry in history if key in entry and "train_loss" not in entry]

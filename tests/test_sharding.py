@@ -14,26 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_normswap import convert_checkpoint, heal_checkpoint
+from hf_normswap import heal_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.sharding import ShardingOptions
 from hf_normswap.sharding.options import ShardingError
 
-from helpers import SENTENCES, save_source, tensors, tiny_task
+from helpers import TOLERANCE, ZERO_GRADIENT, logged, save_source, sharding_variants, tensors, tiny_task
 
 
 TESTS = Path(__file__).parent
 
 
-TOLERANCE = 1e-5
-# A key bias shifts every score of a query alike, which softmax ignores: its gradient is zero but for rounding,
-# which Adam scales up to steps of the learning rate's size in either run. Its weights are not compared.
-ZERO_GRADIENT = "k_proj.bias"
-
-
-def torchrun(*arguments, processes: int, cwd: Path) -> subprocess.CompletedProcess:
+def torchrun(*arguments, processes: int, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs `arguments` (a tests/ script, or -m and a module) under `torchrun --standalone` on CPU, importing this
-    checkout's hf_normswap."""
+    checkout's hf_normswap, with `env` added to the environment."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     env = {
         **os.environ,
@@ -41,6 +35,7 @@ def torchrun(*arguments, processes: int, cwd: Path) -> subprocess.CompletedProce
         "HF_HUB_OFFLINE": "1",
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+        **(env or {}),
     }
     process = subprocess.run(
         [*command, *map(str, arguments)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
@@ -51,27 +46,7 @@ def torchrun(*arguments, processes: int, cwd: Path) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
-    """Tiny LLaMAs with a tied and an untied head converted to post-LN (causal), a BERT converted to pre-LN, and a
-    text file to heal them on."""
-    folder = tmp_path_factory.mktemp("sharding")
-    sources = {
-        "tied": ("llama", "ForCausalLM", {"tie_word_embeddings": True}),
-        "untied": ("llama", "ForCausalLM", {"tie_word_embeddings": False}),
-        "bert": ("bert", "Model", {}),
-    }
-    for name, (family, head, fields) in sources.items():
-        save_source(folder / name / "source", family, head, initializer_range=0.2, **fields)
-        causal = {"attention": "causal"} if family == "llama" else {}
-        convert_checkpoint(
-            str(folder / name / "source"),
-            str(folder / name / "variant"),
-            norm_placement="post" if family == "llama" else "pre",
-            calibrate=False,
-            log=lambda line: None,
-            **causal,
-        )
-    (folder / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
-    return folder
+    return sharding_variants(tmp_path_factory.mktemp("sharding"))
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +60,11 @@ def healed(variants):
     return variants
 
 
-def _logged(folder, key: str) -> list[float]:
-    history = json.loads((folder / "heal.json").read_text())["log_history"]
-    return [entry[key] for entry in history if key in entry and "train_loss" not in entry]
-
-
 @pytest.mark.parametrize("name, suffix", [("tied", ""), ("tied", "-forward"), ("untied", ""), ("bert", "")])
 def test_sharded_healing_equals_one_process_step_by_step(healed, name, suffix):
     two, one = healed / name / f"healed-4{suffix}", healed / name / f"healed-8{suffix}"
     for key in ("loss", "grad_norm"):
-        got, expected = _logged(two, key), _logged(one, key)
+        got, expected = logged(two, key), logged(one, key)
         assert len(got) == len(expected) == 4
         assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
     got, expected = tensors(two), tensors(one)
@@ -113,7 +83,7 @@ def test_the_teachers_logits_from_its_forward_change_nothing(healed):
     for per_device in (4, 8):
         forward, chunked = (healed / "tied" / f"healed-{per_device}{suffix}" for suffix in ("-forward", ""))
         for key in ("loss", "grad_norm"):
-            got, expected = _logged(forward, key), _logged(chunked, key)
+            got, expected = logged(forward, key), logged(chunked, key)
             assert len(got) == len(expected) == 4
             assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
         got, expected = tensors(forward), tensors(chunked)
@@ -128,7 +98,7 @@ def test_sharded_activation_checkpointing_changes_nothing(healed):
     steps = json.loads((healed / "two.json").read_text())["tied"]
     assert [step["student_checkpointing"] for step in steps] == [False] * 4
     for key in ("loss", "grad_norm"):
-        got, expected = _logged(checkpointed, key), _logged(plain, key)
+        got, expected = logged(checkpointed, key), logged(plain, key)
         assert len(got) == len(expected) == 4
         assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
     got, expected = tensors(checkpointed), tensors(plain)
@@ -145,9 +115,28 @@ def test_the_teacher_never_trains(healed):
                 assert step["student_training"] and not step["training"], (run, name, step)
                 if run == "two":  # FSDP2 reduces its gradients, not DDP (which wraps one process's model)
                     assert not step["student_wrapped"], (run, name, step)
+                assert step["student_sharded"] == step["teacher_sharded"] == (run == "two"), (run, name, step)
                 assert step["grads"] == step["requires_grad"] == step["in_optimizer"] == 0, (run, name, step)
                 # sharded, its root (embeddings, head) is not kept gathered between steps
                 assert step["teacher_gathered"] == (run == "one"), (run, name, step)
+
+
+def test_an_fsdp_launch_of_one_process_shards(healed):
+    """Under `accelerate launch` with an FSDP configuration the Trainer shards the trained model even in one process;
+    `fsdp` then shards the student and the teacher alike (here with `fully_shard` over one gloo process), and the
+    healing equals the unsharded one."""
+    script, launch = TESTS / "distributed_heal.py", {"ACCELERATE_USE_FSDP": "true"}
+    torchrun(script, healed, healed / "launched.json", 8, "--tag=-launched", processes=1, cwd=healed, env=launch)
+    for name, steps in json.loads((healed / "launched.json").read_text()).items():
+        assert [(step["student_sharded"], step["teacher_sharded"]) for step in steps] == [(True, True)] * 4, name
+    for name in ("tied", "tied-forward", "untied", "bert"):
+        family, _, forward = name.partition("-")
+        launched = healed / family / f"healed-8{'-forward' if forward else ''}-launched"
+        plain = healed / family / f"healed-8{'-forward' if forward else ''}"
+        got, expected = logged(launched, "loss"), logged(plain, "loss")
+        assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (name, got, expected)
+        got, expected = tensors(launched), tensors(plain)
+        assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE
 
 
 def test_sharding_options_are_checked(variants, tmp_path, capsys):

@@ -23,7 +23,7 @@ from transformers import (
 from ..model.packing import DataCollatorWithPacking
 from ..probes.collapse import collapse_profile
 from ..probes.diagnostics import DiagnosticsCallback
-from ..sharding.fsdp import prepare_trained, trainer_arguments
+from ..sharding.fsdp import RecordShardedOutputs, prepare_trained, trainer_arguments
 from ..tasks import Task, unigram_loss
 from .experiment import Experiment, Variant
 from .metrics import load_metric
@@ -133,7 +133,10 @@ class Runner:
             eval_dataset=evaluation,
             data_collator=self._packed if self.experiment.packing and start.kind != "native" else self.collator,
             compute_metrics=None if self.causal else self._compute_metrics,
-            callbacks=[DiagnosticsCallback(probe=probe, num_layers=model.config.num_hidden_layers)],
+            callbacks=[
+                RecordShardedOutputs(),  # first: the diagnostics record hidden states
+                DiagnosticsCallback(probe=probe, num_layers=model.config.num_hidden_layers),
+            ],
         )
         resume = any(run_dir.glob("checkpoint-*"))
         trainer.train(resume_from_checkpoint=True if resume else None)

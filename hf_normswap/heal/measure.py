@@ -13,7 +13,9 @@ from .losses import comparable
 @torch.no_grad()
 def teacher_states(teacher: torch.nn.Module, batches: list[dict]) -> list[tuple]:
     """The teacher's boundary states on every held-out batch: its side of every measurement, computed once."""
-    return [boundary_states(teacher, batch) for batch in batches]
+    return [
+        boundary_states(teacher, {key: value.to(teacher.device) for key, value in batch.items()}) for batch in batches
+    ]
 
 
 @torch.no_grad()
@@ -58,6 +60,7 @@ def masked_lm_loss(model: torch.nn.Module, batches: list[dict], tokenizer) -> fl
     with evaluation_mode(model):
         for batch in batches:
             batch = dict(batch)
-            labels = mask_every_sixth(batch, tokenizer)
+            labels = mask_every_sixth(batch, tokenizer).to(model.device)
+            batch = {key: value.to(model.device) for key, value in batch.items()}
             losses.append(model(**batch, labels=labels).loss.item())
     return sum(losses) / len(losses)

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..model.packing import pack_padded, unpack
-from ..sharding.fsdp import gathered, token_share, trainer_arguments
+from ..sharding.fsdp import RecordShardedOutputs, gathered, token_share, trainer_arguments
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure
 from .options import HealOptions
@@ -25,7 +25,8 @@ class HealTrainer(Trainer):
     batch, padding-free with `packing`)."""
 
     def __init__(self, *args, teacher: torch.nn.Module, objective: str, packing: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
+        callbacks = [RecordShardedOutputs(), *(kwargs.pop("callbacks", None) or [])]  # first: others may record
+        super().__init__(*args, callbacks=callbacks, **kwargs)
         if not isinstance(teacher, FSDPModule):  # a sharded teacher is placed already
             teacher = teacher.to(self.args.device)
         self.teacher = teacher.eval()  # not the student's submodule: the Trainer never trains it

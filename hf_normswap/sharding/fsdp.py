@@ -13,8 +13,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
+from accelerate.utils import DistributedType, parse_flag_from_env
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import TrainerCallback
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from ..memory import release_freed_memory
@@ -43,8 +45,12 @@ def accelerate_shards() -> bool:
 
 
 def sharded(options: ShardingOptions) -> bool:
-    """Whether `options` shard across more than one process."""
-    return options.fsdp and world_size() > 1
+    """Whether `options` shard: with `fsdp`, across the processes of a distributed launch, or under `accelerate
+    launch` with an FSDP configuration whatever the process count (the Trainer shards the trained model there even
+    in one process, so the teacher is sharded alike)."""
+    state = processes()
+    launched = state.distributed_type != DistributedType.NO  # by torchrun or accelerate launch
+    return options.fsdp and (state.num_processes > 1 or launched and parse_flag_from_env("ACCELERATE_USE_FSDP"))
 
 
 def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
@@ -56,8 +62,7 @@ def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
     for block in blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    # Transformers finds what a model's forward may record (hidden states) by its class's name, which FSDP2 changes
-    _CAN_RECORD_REGISTRY[model] = getattr(model, "_can_record_outputs", None)
+    record_outputs(model)
     # FSDP2 takes the first unit that runs forward for the root: run the whole model once, so that its submodules
     # (`base_model`, the head) may run alone after
     with torch.no_grad(), evaluation_mode(model):
@@ -66,6 +71,19 @@ def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
     model._is_distributed_loading_by_transformers = True  # the Trainer then neither moves nor DDP-wraps it
     release_freed_memory()  # the whole weights, freed
     return model
+
+
+def record_outputs(model: torch.nn.Module) -> None:
+    """Registers what `model`'s forward may record (hidden states) under its class: Transformers finds that by the
+    class's name, which FSDP2 changes."""
+    _CAN_RECORD_REGISTRY[model] = getattr(model, "_can_record_outputs", None)
+
+
+class RecordShardedOutputs(TrainerCallback):
+    """`record_outputs` for the trained model once the Trainer has prepared it (sharded by accelerate's FSDP2)."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        record_outputs(model)
 
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -86,9 +104,13 @@ def block_class_names(model: torch.nn.Module) -> list[str]:
 
 
 def prepare_trained(model: torch.nn.Module, options: ShardingOptions) -> torch.nn.Module:
-    """The model the Trainer trains: sharded here on CPU, left to the Trainer on accelerators."""
-    if sharded(options) and not accelerate_shards():
-        shard(model, bf16=options.bf16)
+    """The model the Trainer trains: sharded here on CPU; on accelerators moved to this process's accelerator, beside
+    the sharded teacher, and left to the Trainer to shard (FSDP2 would move it there whole first anyway)."""
+    if sharded(options):
+        if accelerate_shards():
+            model.to(torch.accelerator.current_accelerator())
+        else:
+            shard(model, bf16=options.bf16)
     return model
 
 

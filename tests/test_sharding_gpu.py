@@ -1,0 +1,97 @@
+"""Healing under `accelerate launch` with the shipped FSDP2 configuration, on GPUs: accelerate's FSDP2 plugin shards
+the student (through the Trainer), `hf_normswap.sharding` the teacher, over NCCL. CI has no GPU, so these tests are
+skipped there; on a machine with one: `python -m pytest tests/test_sharding_gpu.py`.
+
+On one GPU the launch is one process (NCCL refuses two on one GPU), which FSDP2 still wraps, gathers and reshards
+unit by unit. In float32 the healing must then equal the unsharded one (1 process under `torchrun`, the same batch)
+within `helpers.TOLERANCE`, as on CPU. With bfloat16 mixed precision each logged loss must stay within 2% of
+float32's: bfloat16 keeps 8 bits of mantissa (a relative rounding of 2^-9, 0.2%, on every input of the products),
+and four steps of AdamW at a learning rate of 1e-3 carry it to the losses."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_normswap import accelerate_config
+
+from helpers import TOLERANCE, ZERO_GRADIENT, logged, sharding_variants, tensors
+
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate's FSDP2 plugin shards on GPUs")
+
+TESTS = Path(__file__).parent
+BF16_RELATIVE = 2e-2
+HEALINGS = ("tied", "tied-forward", "untied", "bert")
+
+
+def launch(launcher: list[str], *arguments, cwd: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    command = [sys.executable, "-m", *launcher, str(TESTS / "distributed_heal.py"), *map(str, arguments)]
+    process = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
+    assert process.returncode == 0, process.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def healed(tmp_path_factory):
+    """Each variant healed under accelerate's FSDP2 launch on every GPU (8 texts a step in all), in float32 and in
+    bfloat16 mixed precision, and by one unsharded process on one GPU."""
+    variants = sharding_variants(tmp_path_factory.mktemp("sharding"))
+    processes = min(2, torch.cuda.device_count())
+    per_device = 8 // processes
+    accelerate = ["accelerate.commands.launch", "--config_file", accelerate_config("fsdp2_bf16")]
+    accelerate += ["--num_processes", str(processes)]
+    float32, bf16 = [*accelerate, "--mixed_precision", "no"], [*accelerate, "--mixed_precision", "bf16"]
+    launch(float32, variants, variants / "fsdp.json", per_device, "--tag=-fsdp", cwd=variants)
+    launch(bf16, variants, variants / "fsdp-bf16.json", per_device, "--bf16", "--tag=-fsdp", cwd=variants)
+    plain = ["torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    launch(plain, variants, variants / "plain.json", 8, cwd=variants)
+    return variants, per_device
+
+
+def _folder(variants: Path, healing: str, per_device: int, suffix: str = "") -> Path:
+    name, _, forward = healing.partition("-")
+    return variants / name / f"healed-{per_device}{'-forward' if forward else ''}{suffix}"
+
+
+@pytest.mark.parametrize("healing", HEALINGS)
+def test_accelerate_fsdp2_heals_as_one_unsharded_process(healed, healing):
+    variants, per_device = healed
+    sharded, plain = _folder(variants, healing, per_device, "-fsdp"), _folder(variants, healing, 8)
+    for key in ("loss", "grad_norm"):
+        got, expected = logged(sharded, key), logged(plain, key)
+        assert len(got) == len(expected) == 4
+        assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
+    got, expected = tensors(sharded), tensors(plain)
+    assert got.keys() == expected.keys()
+    assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE
+
+
+@pytest.mark.parametrize("healing", HEALINGS)
+def test_bf16_under_fsdp2_follows_float32(healed, healing):
+    variants, per_device = healed
+    bf16, float32 = (_folder(variants, healing, per_device, suffix) for suffix in ("-bf16-fsdp", "-fsdp"))
+    got, expected = logged(bf16, "loss"), logged(float32, "loss")
+    assert len(got) == len(expected) == 4
+    assert all(abs(a - b) <= BF16_RELATIVE * abs(b) for a, b in zip(got, expected)), (got, expected)
+    weights, source = tensors(bf16), tensors(variants / healing.split("-")[0] / "variant")
+    assert all(t.dtype == torch.float32 and t.isfinite().all() for t in weights.values())  # float32 masters saved
+    assert max((weights[k] - source[k]).abs().max().item() for k in weights if "layers" in k) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("record", ["fsdp.json", "fsdp-bf16.json", "plain.json"])
+def test_student_and_teacher_are_sharded_and_the_teacher_never_trains(healed, record):
+    variants, _ = healed
+    launched = record != "plain.json"
+    for name, steps in json.loads((variants / record).read_text()).items():
+        assert len(steps) == 4, name
+        for step in steps:
+            assert step["student_training"] and not step["training"], (name, step)
+            assert step["student_sharded"] == step["teacher_sharded"] == launched, (name, step)
+            assert not step["student_wrapped"], (name, step)
+            assert step["grads"] == step["requires_grad"] == step["in_optimizer"] == 0, (name, step)
+            assert step["teacher_gathered"] == (not launched), (name, step)
