@@ -1,6 +1,6 @@
-"""Healing under `accelerate launch` with the shipped FSDP2 configuration, on GPUs: accelerate's FSDP2 plugin shards
-the student (through the Trainer), `hf_normswap.sharding` the teacher, over NCCL. CI has no GPU, so these tests are
-skipped there; on a machine with one: `python -m pytest tests/test_sharding_gpu.py`.
+"""Healing and comparing under `accelerate launch` with the shipped FSDP2 configuration, on GPUs: accelerate's FSDP2
+plugin shards the trained model (through the Trainer), `hf_normswap.sharding` a healing's teacher, over NCCL. CI has
+no GPU, so these tests are skipped there; on a machine with one: `python -m pytest tests/test_sharding_gpu.py`.
 
 On one GPU the launch is one process (NCCL refuses two on one GPU), which FSDP2 still wraps, gathers and reshards
 unit by unit. In float32 the healing must then equal the unsharded one (1 process under `torchrun`, the same batch)
@@ -19,7 +19,7 @@ import torch
 
 from hf_normswap import accelerate_config
 
-from helpers import TOLERANCE, ZERO_GRADIENT, logged, sharding_variants, tensors
+from helpers import TOLERANCE, ZERO_GRADIENT, logged, save_source, sharding_variants, tensors, tiny_task
 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate's FSDP2 plugin shards on GPUs")
@@ -29,11 +29,24 @@ BF16_RELATIVE = 2e-2
 HEALINGS = ("tied", "tied-forward", "untied", "bert")
 
 
-def launch(launcher: list[str], *arguments, cwd: Path) -> None:
+def launch(launcher: list[str], *arguments, cwd: Path) -> str:
+    """Runs `arguments` (a tests/ script, or -m and a module) under `launcher`; returns what it printed."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    command = [sys.executable, "-m", *launcher, str(TESTS / "distributed_heal.py"), *map(str, arguments)]
+    command = [sys.executable, "-m", *launcher, *map(str, arguments)]
     process = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
     assert process.returncode == 0, process.stderr[-3000:]
+    return process.stdout
+
+
+def accelerate_fsdp2(precision: str) -> tuple[list[str], int]:
+    """`accelerate launch` with the shipped FSDP2 configuration on every GPU (2 at most), in `precision`; and the
+    number of processes."""
+    processes = min(2, torch.cuda.device_count())
+    launcher = ["accelerate.commands.launch", "--config_file", accelerate_config("fsdp2_bf16")]
+    return [*launcher, "--num_processes", str(processes), "--mixed_precision", precision], processes
+
+
+PLAIN = ["torch.distributed.run", "--standalone", "--nproc_per_node=1"]
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +54,12 @@ def healed(tmp_path_factory):
     """Each variant healed under accelerate's FSDP2 launch on every GPU (8 texts a step in all), in float32 and in
     bfloat16 mixed precision, and by one unsharded process on one GPU."""
     variants = sharding_variants(tmp_path_factory.mktemp("sharding"))
-    processes = min(2, torch.cuda.device_count())
+    script = TESTS / "distributed_heal.py"
+    (float32, processes), (bf16, _) = accelerate_fsdp2("no"), accelerate_fsdp2("bf16")
     per_device = 8 // processes
-    accelerate = ["accelerate.commands.launch", "--config_file", accelerate_config("fsdp2_bf16")]
-    accelerate += ["--num_processes", str(processes)]
-    float32, bf16 = [*accelerate, "--mixed_precision", "no"], [*accelerate, "--mixed_precision", "bf16"]
-    launch(float32, variants, variants / "fsdp.json", per_device, "--tag=-fsdp", cwd=variants)
-    launch(bf16, variants, variants / "fsdp-bf16.json", per_device, "--bf16", "--tag=-fsdp", cwd=variants)
-    plain = ["torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    launch(plain, variants, variants / "plain.json", 8, cwd=variants)
+    launch(float32, script, variants, variants / "fsdp.json", per_device, "--tag=-fsdp", cwd=variants)
+    launch(bf16, script, variants, variants / "fsdp-bf16.json", per_device, "--bf16", "--tag=-fsdp", cwd=variants)
+    launch(PLAIN, script, variants, variants / "plain.json", 8, cwd=variants)
     return variants, per_device
 
 
@@ -95,3 +105,32 @@ def test_student_and_teacher_are_sharded_and_the_teacher_never_trains(healed, re
             assert not step["student_wrapped"], (name, step)
             assert step["grads"] == step["requires_grad"] == step["in_optimizer"] == 0, (name, step)
             assert step["teacher_gathered"] == (not launched), (name, step)
+
+
+def test_a_comparison_under_accelerate_fsdp2_equals_one_unsharded_process(tmp_path):
+    """`compare --fsdp` under accelerate's FSDP2 launch trains, heals and evaluates as one unsharded process."""
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
+    save_source(tmp_path / "bert", "bert", "Model", initializer_range=0.2, **no_dropout)
+    task = tiny_task(tmp_path / "task", rows=32)
+    options = dict(model=str(tmp_path / "bert"), task=str(task), text_columns=["text"], variants=["post", "pre+heal"])
+    options.update(seeds=1, epochs=1, learning_rate=1e-3, logging_steps=1)
+    arguments = [
+        f"--{name.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for name, v in options.items()
+    ]
+    heal = {"max_steps": 2, "eval_size": 8, "objective": "hidden"}
+    launcher, processes = accelerate_fsdp2("no")
+    per_device = 8 // processes
+    sharded = [f"--batch-size={per_device}", "--heal", json.dumps({**heal, "batch_size": per_device}), "--fsdp"]
+    output = launch(launcher, "-m", "hf_normswap.cli", "compare", *arguments, *sharded, "--output=fsdp", cwd=tmp_path)
+    assert output.count("report:") == 1
+    plain = ["--batch-size=8", "--heal", json.dumps({**heal, "batch_size": 8}), "--output=plain"]
+    launch(PLAIN, "-m", "hf_normswap.cli", "compare", *arguments, *plain, cwd=tmp_path)
+    got, expected = (json.loads((tmp_path / run / "results.json").read_text())["runs"] for run in ("fsdp", "plain"))
+    assert [run["variant"] for run in got] == [run["variant"] for run in expected] == ["post", "pre+heal"]
+    for run, reference in zip(got, expected):
+        losses = [[entry["loss"] for entry in r["log_history"] if "loss" in entry] for r in (run, reference)]
+        assert len(losses[0]) == len(losses[1]) == 4
+        assert max(abs(a - b) for a, b in zip(*losses)) <= TOLERANCE, losses
+        for key in ("loss", "accuracy"):
+            assert abs(run["metrics"][key] - reference["metrics"][key]) <= TOLERANCE, (key, run, reference)
+    assert got[1]["heal"]["after"] == pytest.approx(expected[1]["heal"]["after"], abs=TOLERANCE)
