@@ -41,7 +41,7 @@ def collapse_of_states(states: list[tuple[torch.Tensor, ...]], masks: list[torch
     """The collapse figure of each pooling at each layer boundary, from every batch's boundary states and mask."""
     pooled = {name: [] for name in POOLINGS}
     for batch_states, mask in zip(states, masks):
-        per_boundary = [pool(boundary.float(), mask) for boundary in batch_states]
+        per_boundary = [pool(boundary.float(), mask.to(boundary.device)) for boundary in batch_states]
         for name in POOLINGS:
             pooled[name].append(torch.stack([vectors[name] for vectors in per_boundary]))
     return {name: [mean_pairwise_cosine(v) for v in torch.cat(pooled[name], dim=1)] for name in POOLINGS}
