@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -250,3 +251,36 @@ def logged(folder, key: str) -> list[float]:
     """The values of `key` that the healing in `folder` logged at each step."""
     history = json.loads((folder / "heal.json").read_text())["log_history"]
     return [entry[key] for entry in history if key in entry and "train_loss" not in entry]
+
+
+def comparison_arguments(folder: Path) -> list[str]:
+    """`compare`'s arguments for the sharded-comparison tests: a tiny BERT without dropout and a tiny task (written to
+    `folder`), `post` and `pre+heal` fine-tuned one epoch of 32 examples with one seed, every step logged."""
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
+    save_source(folder / "bert", "bert", "Model", initializer_range=0.2, **no_dropout)
+    task = tiny_task(folder / "task", rows=32)
+    options = dict(model=str(folder / "bert"), task=str(task), text_columns=["text"], variants=["post", "pre+heal"])
+    options.update(seeds=1, epochs=1, learning_rate=1e-3, logging_steps=1)
+    return [f"--{name.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for name, v in options.items()]
+
+
+def comparison_batch(per_process: int) -> list[str]:
+    """`compare`'s batch size per process, for fine-tuning and for 2 steps of healing on `hidden` (no batch-level
+    terms: see docs/healing.md)."""
+    heal = {"max_steps": 2, "eval_size": 8, "objective": "hidden", "batch_size": per_process}
+    return [f"--batch-size={per_process}", "--heal", json.dumps(heal)]
+
+
+def assert_same_comparison(output: Path, reference: Path) -> None:
+    """The two comparisons' runs logged the same losses at every step, and ended with the same metrics and healing
+    figures, within TOLERANCE."""
+    got, expected = (json.loads((folder / "results.json").read_text())["runs"] for folder in (output, reference))
+    assert [run["variant"] for run in got] == [run["variant"] for run in expected] == ["post", "pre+heal"]
+    for run, reference_run in zip(got, expected):
+        losses = [[entry["loss"] for entry in r["log_history"] if "loss" in entry] for r in (run, reference_run)]
+        assert len(losses[0]) == len(losses[1]) == 4
+        assert max(abs(a - b) for a, b in zip(*losses)) <= TOLERANCE, losses
+        assert run["metrics"].keys() == reference_run["metrics"].keys()
+        for key in ("loss", "accuracy"):
+            assert abs(run["metrics"][key] - reference_run["metrics"][key]) <= TOLERANCE, (key, run, reference_run)
+    assert got[1]["heal"]["after"] == pytest.approx(expected[1]["heal"]["after"], abs=TOLERANCE)

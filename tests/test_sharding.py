@@ -19,7 +19,16 @@ from hf_normswap.cli import main as cli
 from hf_normswap.sharding import ShardingOptions
 from hf_normswap.sharding.options import ShardingError
 
-from helpers import TOLERANCE, ZERO_GRADIENT, logged, save_source, sharding_variants, tensors, tiny_task
+from helpers import (
+    TOLERANCE,
+    ZERO_GRADIENT,
+    assert_same_comparison,
+    comparison_arguments,
+    comparison_batch,
+    logged,
+    sharding_variants,
+    tensors,
+)
 
 
 TESTS = Path(__file__).parent
@@ -163,35 +172,12 @@ def test_fsdp_in_one_process_heals_unsharded(variants, tmp_path):
 
 def test_sharded_comparison_equals_one_process(tmp_path):
     """`compare --fsdp` under 2 processes with 4 examples each trains and evaluates as 1 process with 8."""
-    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
-    save_source(tmp_path / "bert", "bert", "Model", initializer_range=0.2, **no_dropout)
-    task = tiny_task(tmp_path / "task", rows=32)
-    options = dict(model=str(tmp_path / "bert"), task=str(task), text_columns=["text"], variants=["post", "pre+heal"])
-    options.update(seeds=1, epochs=1, learning_rate=1e-3, logging_steps=1)
-    arguments = [
-        f"--{name.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for name, v in options.items()
-    ]
-    heal = {"max_steps": 2, "eval_size": 8, "objective": "hidden"}  # no batch-level terms: see docs/healing.md
-    two = ["--batch-size=4", "--heal", json.dumps({**heal, "batch_size": 4}), "--fsdp", f"--output={tmp_path / 'two'}"]
-    assert (
-        torchrun("-m", "hf_normswap.cli", "compare", *arguments, *two, processes=2, cwd=tmp_path).stdout.count(
-            "report:"
-        )
-        == 1
-    )
+    arguments = ["-m", "hf_normswap.cli", "compare", *comparison_arguments(tmp_path)]
+    two = [*comparison_batch(4), "--fsdp", "--output=two"]
+    assert torchrun(*arguments, *two, processes=2, cwd=tmp_path).stdout.count("report:") == 1
     # the reference under torchrun too: the Trainer shuffles through accelerate's sampler there, as with 2 processes
-    one = ["--batch-size=8", "--heal", json.dumps({**heal, "batch_size": 8}), f"--output={tmp_path / 'one'}"]
-    torchrun("-m", "hf_normswap.cli", "compare", *arguments, *one, processes=1, cwd=tmp_path)
-    got, expected = (json.loads((tmp_path / run / "results.json").read_text())["runs"] for run in ("two", "one"))
-    assert [run["variant"] for run in got] == [run["variant"] for run in expected] == ["post", "pre+heal"]
-    for run, reference in zip(got, expected):
-        losses = [[entry["loss"] for entry in r["log_history"] if "loss" in entry] for r in (run, reference)]
-        assert len(losses[0]) == len(losses[1]) == 4
-        assert max(abs(a - b) for a, b in zip(*losses)) <= TOLERANCE, losses
-        assert run["metrics"].keys() == reference["metrics"].keys()
-        for key in ("loss", "accuracy"):
-            assert abs(run["metrics"][key] - reference["metrics"][key]) <= TOLERANCE, (key, run, reference)
-    assert got[1]["heal"]["after"] == pytest.approx(expected[1]["heal"]["after"], abs=TOLERANCE)
+    torchrun(*arguments, *comparison_batch(8), "--output=one", processes=1, cwd=tmp_path)
+    assert_same_comparison(tmp_path / "two", tmp_path / "one")
 
 
 FRAGMENTED_HEAP = """

@@ -19,7 +19,16 @@ import torch
 
 from hf_normswap import accelerate_config
 
-from helpers import TOLERANCE, ZERO_GRADIENT, logged, save_source, sharding_variants, tensors, tiny_task
+from helpers import (
+    TOLERANCE,
+    ZERO_GRADIENT,
+    assert_same_comparison,
+    comparison_arguments,
+    comparison_batch,
+    logged,
+    sharding_variants,
+    tensors,
+)
 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate's FSDP2 plugin shards on GPUs")
@@ -109,28 +118,9 @@ def test_student_and_teacher_are_sharded_and_the_teacher_never_trains(healed, re
 
 def test_a_comparison_under_accelerate_fsdp2_equals_one_unsharded_process(tmp_path):
     """`compare --fsdp` under accelerate's FSDP2 launch trains, heals and evaluates as one unsharded process."""
-    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
-    save_source(tmp_path / "bert", "bert", "Model", initializer_range=0.2, **no_dropout)
-    task = tiny_task(tmp_path / "task", rows=32)
-    options = dict(model=str(tmp_path / "bert"), task=str(task), text_columns=["text"], variants=["post", "pre+heal"])
-    options.update(seeds=1, epochs=1, learning_rate=1e-3, logging_steps=1)
-    arguments = [
-        f"--{name.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for name, v in options.items()
-    ]
-    heal = {"max_steps": 2, "eval_size": 8, "objective": "hidden"}
+    arguments = ["-m", "hf_normswap.cli", "compare", *comparison_arguments(tmp_path)]
     launcher, processes = accelerate_fsdp2("no")
-    per_device = 8 // processes
-    sharded = [f"--batch-size={per_device}", "--heal", json.dumps({**heal, "batch_size": per_device}), "--fsdp"]
-    output = launch(launcher, "-m", "hf_normswap.cli", "compare", *arguments, *sharded, "--output=fsdp", cwd=tmp_path)
-    assert output.count("report:") == 1
-    plain = ["--batch-size=8", "--heal", json.dumps({**heal, "batch_size": 8}), "--output=plain"]
-    launch(PLAIN, "-m", "hf_normswap.cli", "compare", *arguments, *plain, cwd=tmp_path)
-    got, expected = (json.loads((tmp_path / run / "results.json").read_text())["runs"] for run in ("fsdp", "plain"))
-    assert [run["variant"] for run in got] == [run["variant"] for run in expected] == ["post", "pre+heal"]
-    for run, reference in zip(got, expected):
-        losses = [[entry["loss"] for entry in r["log_history"] if "loss" in entry] for r in (run, reference)]
-        assert len(losses[0]) == len(losses[1]) == 4
-        assert max(abs(a - b) for a, b in zip(*losses)) <= TOLERANCE, losses
-        for key in ("loss", "accuracy"):
-            assert abs(run["metrics"][key] - reference["metrics"][key]) <= TOLERANCE, (key, run, reference)
-    assert got[1]["heal"]["after"] == pytest.approx(expected[1]["heal"]["after"], abs=TOLERANCE)
+    sharded = [*comparison_batch(8 // processes), "--fsdp", "--output=fsdp"]
+    assert launch(launcher, *arguments, *sharded, cwd=tmp_path).count("report:") == 1
+    launch(PLAIN, *arguments, *comparison_batch(8), "--output=plain", cwd=tmp_path)
+    assert_same_comparison(tmp_path / "fsdp", tmp_path / "plain")
