@@ -247,6 +247,13 @@ def sharding_variants(folder: Path) -> Path:
     return folder
 
 
+def healed_folder(variants: Path, healing: str, per_device: int, suffix: str = "") -> Path:
+    """Where tests/distributed_heal.py wrote `healing` ("tied", "tied-forward", "untied" or "bert") of `variants`,
+    healed with `per_device` texts a process (its options' `suffix` added)."""
+    name, _, forward = healing.partition("-")
+    return variants / name / f"healed-{per_device}{'-forward' if forward else ''}{suffix}"
+
+
 def logged(folder, key: str) -> list[float]:
     """The values of `key` that the healing in `folder` logged at each step."""
     history = json.loads((folder / "heal.json").read_text())["log_history"]
@@ -264,7 +271,7 @@ def comparison_arguments(folder: Path) -> list[str]:
     return [f"--{name.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for name, v in options.items()]
 
 
-def comparison_batch(per_process: int) -> list[str]:
+def comparison_batch_arguments(per_process: int) -> list[str]:
     """`compare`'s batch size per process, for fine-tuning and for 2 steps of healing on `hidden` (no batch-level
     terms: see docs/healing.md)."""
     heal = {"max_steps": 2, "eval_size": 8, "objective": "hidden", "batch_size": per_process}

@@ -24,7 +24,8 @@ from helpers import (
     ZERO_GRADIENT,
     assert_same_comparison,
     comparison_arguments,
-    comparison_batch,
+    comparison_batch_arguments,
+    healed_folder,
     logged,
     sharding_variants,
     tensors,
@@ -139,11 +140,10 @@ def test_an_fsdp_launch_of_one_process_shards(healed):
     for name, steps in json.loads((healed / "launched.json").read_text()).items():
         assert [(step["student_sharded"], step["teacher_sharded"]) for step in steps] == [(True, True)] * 4, name
     for name in ("tied", "tied-forward", "untied", "bert"):
-        family, _, forward = name.partition("-")
-        launched = healed / family / f"healed-8{'-forward' if forward else ''}-launched"
-        plain = healed / family / f"healed-8{'-forward' if forward else ''}"
-        got, expected = logged(launched, "loss"), logged(plain, "loss")
-        assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (name, got, expected)
+        launched, plain = healed_folder(healed, name, 8, "-launched"), healed_folder(healed, name, 8)
+        for key in ("loss", "grad_norm"):
+            got, expected = logged(launched, key), logged(plain, key)
+            assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (name, key, got)
         got, expected = tensors(launched), tensors(plain)
         assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE
 
@@ -173,10 +173,10 @@ def test_fsdp_in_one_process_heals_unsharded(variants, tmp_path):
 def test_sharded_comparison_equals_one_process(tmp_path):
     """`compare --fsdp` under 2 processes with 4 examples each trains and evaluates as 1 process with 8."""
     arguments = ["-m", "hf_normswap.cli", "compare", *comparison_arguments(tmp_path)]
-    two = [*comparison_batch(4), "--fsdp", "--output=two"]
+    two = [*comparison_batch_arguments(4), "--fsdp", "--output=two"]
     assert torchrun(*arguments, *two, processes=2, cwd=tmp_path).stdout.count("report:") == 1
     # the reference under torchrun too: the Trainer shuffles through accelerate's sampler there, as with 2 processes
-    torchrun(*arguments, *comparison_batch(8), "--output=one", processes=1, cwd=tmp_path)
+    torchrun(*arguments, *comparison_batch_arguments(8), "--output=one", processes=1, cwd=tmp_path)
     assert_same_comparison(tmp_path / "two", tmp_path / "one")
 
 

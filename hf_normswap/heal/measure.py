@@ -44,7 +44,7 @@ def measure(student: torch.nn.Module, batches: list[dict], teacher_states: list[
             )
             states.append(student_states)
     tokens = sum(batch["attention_mask"].sum().item() for batch in batches)
-    collapse = collapse_of_states(states, [batch["attention_mask"].to(student.device) for batch in batches])
+    collapse = collapse_of_states(states, [batch["attention_mask"] for batch in batches])
     cosine, error = (torch.stack(cosines).sum(0) / tokens).tolist(), (torch.stack(errors).sum(0) / tokens).tolist()
     return [
         {"token_cosine": c, "mse": e, **{f"collapse_{p}": collapse[p][i] for p in POOLINGS}}

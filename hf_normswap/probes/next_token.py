@@ -14,10 +14,9 @@ def next_token_agreement(source: torch.nn.Module, model: torch.nn.Module, batche
     kl, agree, tokens = 0.0, 0, 0
     with evaluation_mode(source), evaluation_mode(model):
         for batch in batches:
-            batch = {key: batch[key].to(model.device) for key in ("input_ids", "attention_mask")}
-            real = batch["attention_mask"].bool()
-            expected = F.log_softmax(source(**batch).logits[real].float(), -1)
-            given = F.log_softmax(model(**batch).logits[real].float(), -1)
+            real = batch["attention_mask"].bool().to(model.device)
+            expected = F.log_softmax(source(**_inputs(batch, source)).logits.to(model.device)[real].float(), -1)
+            given = F.log_softmax(model(**_inputs(batch, model)).logits[real].float(), -1)
             kl += F.kl_div(given, expected, log_target=True, reduction="sum").item()
             agree += (given.argmax(-1) == expected.argmax(-1)).sum().item()
             tokens += int(real.sum())
@@ -28,13 +27,17 @@ def next_token_agreement(source: torch.nn.Module, model: torch.nn.Module, batche
 def greedy_agreement(source: torch.nn.Module, model: torch.nn.Module, prompts: dict, new_tokens: int = 32) -> float:
     """The fraction of `new_tokens` greedy tokens that `model` generates as `source` does, position by position,
     averaged over left-padded `prompts` (input_ids, attention_mask)."""
-    prompts = {key: prompts[key].to(model.device) for key in ("input_ids", "attention_mask")}
     length = prompts["input_ids"].shape[1]
     settings = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
     with evaluation_mode(source), evaluation_mode(model):
-        expected = source.generate(**prompts, **settings, pad_token_id=source.config.pad_token_id)[:, length:]
-        given = model.generate(**prompts, **settings, pad_token_id=model.config.pad_token_id)[:, length:]
-    return (expected == given).float().mean().item()
+        expected = source.generate(**_inputs(prompts, source), **settings, pad_token_id=source.config.pad_token_id)
+        given = model.generate(**_inputs(prompts, model), **settings, pad_token_id=model.config.pad_token_id)
+    return (expected[:, length:].to(given.device) == given[:, length:]).float().mean().item()
+
+
+def _inputs(batch: dict, model: torch.nn.Module) -> dict:
+    """The token ids and attention mask of `batch` on `model`'s device (two models compared may sit apart)."""
+    return {key: batch[key].to(model.device) for key in ("input_ids", "attention_mask")}
 
 
 def greedy_prompts(batches: list[dict], tokenizer, count: int = 32, length: int = 8) -> dict:

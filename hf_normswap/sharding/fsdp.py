@@ -50,7 +50,7 @@ def sharded(options: ShardingOptions) -> bool:
     in one process, so the teacher is sharded alike)."""
     state = processes()
     launched = state.distributed_type != DistributedType.NO  # by torchrun or accelerate launch
-    return options.fsdp and (state.num_processes > 1 or launched and parse_flag_from_env("ACCELERATE_USE_FSDP"))
+    return options.fsdp and (state.num_processes > 1 or (launched and parse_flag_from_env("ACCELERATE_USE_FSDP")))
 
 
 def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
@@ -104,13 +104,9 @@ def block_class_names(model: torch.nn.Module) -> list[str]:
 
 
 def prepare_trained(model: torch.nn.Module, options: ShardingOptions) -> torch.nn.Module:
-    """The model the Trainer trains: sharded here on CPU; on accelerators moved to this process's accelerator, beside
-    the sharded teacher, and left to the Trainer to shard (FSDP2 would move it there whole first anyway)."""
-    if sharded(options):
-        if accelerate_shards():
-            model.to(torch.accelerator.current_accelerator())
-        else:
-            shard(model, bf16=options.bf16)
+    """The model the Trainer trains: sharded here on CPU, left to the Trainer on accelerators."""
+    if sharded(options) and not accelerate_shards():
+        shard(model, bf16=options.bf16)
     return model
 
 

@@ -16,7 +16,8 @@ class ShardingOptions:
         default=False,
         metadata={
             "help": "shard the trained model (and a healing's teacher) across the processes of a distributed launch "
-            "with FSDP2 (torchrun, or accelerate launch on GPUs); one process trains unsharded"
+            "with FSDP2 (torchrun, or accelerate launch on GPUs); without a distributed launch one process trains "
+            "unsharded"
         },
     )
     fsdp_config: str | None = field(
