@@ -22,6 +22,8 @@ from hf_normswap import heal_checkpoint
 from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.trainer import HealTrainer
 
+from helpers import healed_folder
+
 
 STEPS = 4
 teacher_record = []
@@ -76,11 +78,12 @@ if __name__ == "__main__":
         healings += [("tied", "kl", True), ("untied", "kl", False), ("bert", "hidden", False)]
     results = {}
     for name, objective, forward in healings:
+        healing = name + ("-forward" if forward else "")
         teacher_record.clear()
         teacher_logits(forward)
         heal_checkpoint(
             str(folder / name / "variant"),
-            str(folder / name / f"healed-{per_device}{'-forward' if forward else ''}{suffix}"),
+            str(healed_folder(folder, healing, per_device, suffix)),
             data=str(folder / "text.txt"),
             objective=objective,
             max_steps=STEPS,
@@ -92,6 +95,6 @@ if __name__ == "__main__":
             bf16=arguments.bf16,
             log=None,
         )
-        results[name + ("-forward" if forward else "")] = list(teacher_record)
+        results[healing] = list(teacher_record)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         record.write_text(json.dumps(results, indent=1))

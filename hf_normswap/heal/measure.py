@@ -6,16 +6,14 @@ import torch.nn.functional as F
 
 from ..model.evaluation_mode import evaluation_mode
 from ..probes.collapse import POOLINGS, boundary_states, collapse_of_states
-from ..probes.probe_data import mask_every_sixth
+from ..probes.probe_data import mask_every_sixth, on_device
 from .losses import comparable
 
 
 @torch.no_grad()
 def teacher_states(teacher: torch.nn.Module, batches: list[dict]) -> list[tuple]:
     """The teacher's boundary states on every held-out batch: its side of every measurement, computed once."""
-    return [
-        boundary_states(teacher, {key: value.to(teacher.device) for key, value in batch.items()}) for batch in batches
-    ]
+    return [boundary_states(teacher, on_device(batch, teacher)) for batch in batches]
 
 
 @torch.no_grad()
@@ -25,7 +23,7 @@ def measure(student: torch.nn.Module, batches: list[dict], teacher_states: list[
     cosines, errors, states = [], [], []
     with evaluation_mode(student):
         for batch, teacher in zip(batches, teacher_states):
-            batch = {k: v.to(student.device) for k, v in batch.items()}
+            batch = on_device(batch, student)
             real = batch["attention_mask"].bool()
             student_states = boundary_states(student, batch)
             teacher = [t.to(student.device) for t in teacher]
@@ -61,6 +59,6 @@ def masked_lm_loss(model: torch.nn.Module, batches: list[dict], tokenizer) -> fl
         for batch in batches:
             batch = dict(batch)
             labels = mask_every_sixth(batch, tokenizer).to(model.device)
-            batch = {key: value.to(model.device) for key, value in batch.items()}
+            batch = on_device(batch, model)
             losses.append(model(**batch, labels=labels).loss.item())
     return sum(losses) / len(losses)

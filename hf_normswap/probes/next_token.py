@@ -5,6 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from ..model.evaluation_mode import evaluation_mode
+from .probe_data import on_device
+
+
+TOKENS = ("input_ids", "attention_mask")
 
 
 @torch.no_grad()
@@ -15,8 +19,10 @@ def next_token_agreement(source: torch.nn.Module, model: torch.nn.Module, batche
     with evaluation_mode(source), evaluation_mode(model):
         for batch in batches:
             real = batch["attention_mask"].bool().to(model.device)
-            expected = F.log_softmax(source(**_inputs(batch, source)).logits.to(model.device)[real].float(), -1)
-            given = F.log_softmax(model(**_inputs(batch, model)).logits[real].float(), -1)
+            expected = F.log_softmax(
+                source(**on_device(batch, source, TOKENS)).logits.to(model.device)[real].float(), -1
+            )
+            given = F.log_softmax(model(**on_device(batch, model, TOKENS)).logits[real].float(), -1)
             kl += F.kl_div(given, expected, log_target=True, reduction="sum").item()
             agree += (given.argmax(-1) == expected.argmax(-1)).sum().item()
             tokens += int(real.sum())
@@ -30,14 +36,11 @@ def greedy_agreement(source: torch.nn.Module, model: torch.nn.Module, prompts: d
     length = prompts["input_ids"].shape[1]
     settings = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
     with evaluation_mode(source), evaluation_mode(model):
-        expected = source.generate(**_inputs(prompts, source), **settings, pad_token_id=source.config.pad_token_id)
-        given = model.generate(**_inputs(prompts, model), **settings, pad_token_id=model.config.pad_token_id)
+        expected = source.generate(
+            **on_device(prompts, source, TOKENS), **settings, pad_token_id=source.config.pad_token_id
+        )
+        given = model.generate(**on_device(prompts, model, TOKENS), **settings, pad_token_id=model.config.pad_token_id)
     return (expected[:, length:].to(given.device) == given[:, length:]).float().mean().item()
-
-
-def _inputs(batch: dict, model: torch.nn.Module) -> dict:
-    """The token ids and attention mask of `batch` on `model`'s device (two models compared may sit apart)."""
-    return {key: batch[key].to(model.device) for key in ("input_ids", "attention_mask")}
 
 
 def greedy_prompts(batches: list[dict], tokenizer, count: int = 32, length: int = 8) -> dict:

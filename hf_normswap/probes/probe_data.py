@@ -68,3 +68,8 @@ def mask_every_sixth(batch: dict, tokenizer) -> torch.Tensor:
     labels = input_ids.masked_fill(~chosen, -100)
     batch["input_ids"] = input_ids.masked_fill(chosen, tokenizer.mask_token_id)
     return labels
+
+
+def on_device(batch: dict, model: torch.nn.Module, keys: tuple[str, ...] | None = None) -> dict:
+    """`batch` (its `keys` only, where given) on `model`'s device: models compared may sit on different devices."""
+    return {key: value.to(model.device) for key, value in batch.items() if keys is None or key in keys}
