@@ -269,7 +269,8 @@ def healing(args, work: Path) -> None:
     seconds = max(figure["seconds"] for figure in sharded.values())
     print(
         f"2 sharded processes: peak per process {peak / 1e9:.2f} GB ({key}), {ratio:.2f}x one process (target <= 0.6x)"
-        f", {seconds:.1f} s"
+        f", {seconds:.1f} s; each: "
+        + ", ".join(f"rank {rank} {figure[key] / 1e9:.2f} GB" for rank, figure in sorted(sharded.items()))
     )
     one, two = loss_curve(work / "single-out"), loss_curve(work / "sharded-out")
     print(f"{'step':>5} {'1 process':>10} {'2 sharded':>10}")

@@ -148,6 +148,24 @@ def test_an_fsdp_launch_of_one_process_shards(healed):
         assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE
 
 
+def test_only_the_main_process_reads_the_weights(variants, tmp_path):
+    """Sharded, the main process alone reads the student's and the teacher's weights and samples the training texts
+    from the teacher; the other builds both models empty and takes its shards and the texts from the main one. Both
+    then hold what one unsharded process holds, exactly (the weights and texts are copied, not computed again)."""
+    script, variant = TESTS / "distributed_load.py", variants / "tied" / "variant"
+    for processes in (2, 1):
+        (tmp_path / str(processes)).mkdir()
+        torchrun(script, variant, tmp_path / str(processes), processes=processes, cwd=tmp_path)
+    main, other, alone = (
+        json.loads((tmp_path / name).read_text()) for name in ("2/rank-0.json", "2/rank-1.json", "1/rank-0.json")
+    )
+    assert main["loaded"] == alone["loaded"] == {"student": True, "teacher": True}
+    assert other["loaded"] == {"student": False, "teacher": False}
+    assert len(alone["texts"]) == 6 and {len(text) for text in alone["texts"]} == {5}
+    assert main["texts"] == other["texts"] == alone["texts"]
+    assert main["teacher_embeddings"] == other["teacher_embeddings"] == alone["teacher_embeddings"]
+
+
 def test_sharding_options_are_checked(variants, tmp_path, capsys):
     with pytest.raises(ShardingError, match="fsdp_config='fsdp.json' needs fsdp"):
         ShardingOptions(fsdp_config="fsdp.json")

@@ -1,6 +1,6 @@
 """`compare --plan`: the memory each process of a comparison's fine-tuning will hold, from the configuration alone."""
 
-from ..heal.plan import source_config
+from ..heal.models import source_config
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES
 from ..sharding.memory_plan import MemoryPlan, plan_memory

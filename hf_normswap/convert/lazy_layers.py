@@ -9,13 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 
 from ..checkpoint import update_tensors, weight_files
 from ..model.configuration_normswap import NormSwapConfig
-from ..model.heads import HEAD_CLASSES, local_name
+from ..model.heads import empty_model, local_name
 from .families import Family
 from .options import ConversionError
 
@@ -172,8 +171,7 @@ def lazy_model(config: NormSwapConfig, head: str, loaders: Loaders, folder: Path
     """The NormSwap model of `head` and `config` with lazy layers (`LazyLayers`, reachable with `lazy_of`), lazy
     input and output embeddings (`LazyLayers.stream`; a tied head reads its own copy), the rest loaded, in float32 and
     evaluation mode."""
-    with init_empty_weights(include_buffers=False):
-        model = HEAD_CLASSES[head]._from_config(config, dtype=torch.float32)
+    model = empty_model(config, head)
     tied = model.all_tied_weights_keys.items()
     loaders = {**{target: loaders[source] for target, source in tied if source in loaders}, **loaders}
     lazy = LazyLayers(model, loaders, folder)

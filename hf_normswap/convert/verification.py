@@ -6,13 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from transformers import AutoConfig
 
 from ..checkpoint import read_tensors, resolve_source, weight_files
 from ..gguf import local_checkpoint
 from ..model.configuration_normswap import NormSwapConfig
-from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, local_name
+from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, empty_model, local_name
 from ..probes.collapse import COLLAPSE_MARGIN, conversion_collapse
 from ..probes.swap_effect import swap_effect
 from .exact_swaps import keeps_last_hidden_state
@@ -65,8 +64,7 @@ def load_plain(
     plain: NormSwapConfig, head: str, family: Family, files: list[Path], dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """The unswapped NormSwap model of the source's weight files, in `dtype` (mapped in float32)."""
-    with init_empty_weights(include_buffers=False):
-        model = HEAD_CLASSES[head]._from_config(plain, dtype=dtype)
+    model = empty_model(plain, head, dtype)
     expected = set(model.state_dict())
     state = {}
     for file in files:

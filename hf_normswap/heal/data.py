@@ -9,6 +9,7 @@ import torch
 from datasets import Dataset, load_dataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
+from ..sharding.fsdp import from_main_process, loads_weights, sharded
 from ..tasks import GLUE_TASKS, load_task
 from .options import HealError, HealOptions
 
@@ -137,8 +138,9 @@ class TeacherSamples(torch.utils.data.IterableDataset):
 
 
 def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> Dataset | TeacherSamples:
-    """Texts sampled from the teacher, each started from BOS (else EOS): `sample_count` of them sampled once, or else
-    an endless stream (`TeacherSamples`)."""
+    """Texts sampled from the teacher, each started from BOS (else EOS): `sample_count` of them sampled once (when
+    sharded, by the main process, which alone holds the teacher's weights, for every process), or else an endless
+    stream (`TeacherSamples`)."""
     if not callable(getattr(teacher, "generate", None)):
         raise HealError("--data teacher needs a teacher that generates (a causal LM); the teacher has no such head")
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -147,4 +149,9 @@ def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -
     stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options)
     if options.sample_count is None:
         return stream
-    return Dataset.from_list(list(itertools.islice(stream, options.sample_count)))
+    ids = None
+    if loads_weights(options):
+        ids = torch.tensor([row["input_ids"] for row in itertools.islice(stream, options.sample_count)])
+    if sharded(options):
+        ids = from_main_process(ids, shape=(options.sample_count, options.sample_length))
+    return Dataset.from_list([{"input_ids": row, "attention_mask": [1] * len(row)} for row in ids.tolist()])

@@ -17,10 +17,12 @@ import torch
 from transformers import AutoConfig
 
 from ..convert import ConversionError, load_unswapped
+from ..convert.families import normswap_config
 from ..gguf import is_gguf
 from ..model.configuration_normswap import NormSwapConfig
-from ..model.heads import HEAD_CLASSES, head_of_config
+from ..model.heads import HEAD_CLASSES, empty_model, head_of_config
 from ..model.norms_normswap import NormSwapDyT, NormSwapRMSNorm
+from ..sharding.fsdp import loads_weights
 from .lora import merged, with_adapters
 from .options import HealError, HealOptions
 
@@ -57,7 +59,7 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
         raise HealError(f"{variant}: not a checkpoint folder (no config.json)")
     teacher_id = resolve_teacher(folder, options.teacher)
     dtype = getattr(torch, options.dtype)
-    student, configured_dropout = _load_student(folder, options)
+    student, configured_dropout = _load_student(folder, options, empty=not loads_weights(options, trained=True))
     head = head_of_config(student.config)
     options = options.for_head(head)
     if options.objective in LANGUAGE_OBJECTIVES and head != LANGUAGE_OBJECTIVES[options.objective]:
@@ -65,7 +67,9 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
         raise HealError(f"objective={options.objective!r} needs a {needed} student; {variant} has the {head!r} head")
     if options.data == "teacher" and head != "causal-lm":
         raise HealError(f"--data teacher needs a causal-LM teacher that generates; {variant} has the {head!r} head")
-    teacher, masked_lm = _load_teacher(teacher_id, student_head=head, objective=options.objective, dtype=dtype)
+    teacher, masked_lm = _load_teacher(
+        teacher_id, student_head=head, objective=options.objective, dtype=dtype, empty=not loads_weights(options)
+    )
     for field in SHARED_FIELDS:
         ours, theirs = getattr(student.config, field), getattr(teacher.config, field, None)
         if ours != theirs:
@@ -95,17 +99,23 @@ def resolve_teacher(variant: Path, teacher: str | None) -> str:
     return json.loads(record.read_text())["source"]["id"]
 
 
-def _load_student(folder: Path, options: HealOptions) -> tuple[torch.nn.Module, dict]:
+def _load_student(folder: Path, options: HealOptions, empty: bool = False) -> tuple[torch.nn.Module, dict]:
     """The variant with its own head class in the options' dtype (its trainable norms in float32), without dropout
     unless `dropout`, its embeddings frozen with `freeze_embeddings`, with adapters with `lora`; and its configured
-    dropout. Refused if it is not a NormSwap checkpoint."""
+    dropout. With `empty`, its weights are not read (`empty_model`). Refused if it is not a NormSwap checkpoint."""
     try:
         config = NormSwapConfig.from_pretrained(folder)
     except (OSError, ValueError) as error:
         raise HealError(f"{folder}: not a NormSwap checkpoint ({str(error).splitlines()[0]})") from None
     configured = {field: getattr(config, field) for field in DROPOUT_FIELDS}
     off = {} if options.dropout else {field: 0.0 for field, value in configured.items() if value is not None}
-    student = HEAD_CLASSES[head_of_config(config)].from_pretrained(folder, dtype=getattr(torch, options.dtype), **off)
+    dtype, head = getattr(torch, options.dtype), head_of_config(config)
+    if empty:
+        config.update(off)
+        student = empty_model(config, head, dtype)
+        student.tie_weights()
+    else:
+        student = HEAD_CLASSES[head].from_pretrained(folder, dtype=dtype, **off)
     embeddings = student.base_model.embeddings
     embeddings.requires_grad_(not options.freeze_embeddings)
     norms = {
@@ -135,16 +145,21 @@ def _forward_in_weight_dtype(norm: torch.nn.Module, hidden_states: torch.Tensor)
 
 
 def _load_teacher(
-    teacher_id: str, student_head: str, objective: str, dtype: torch.dtype
+    teacher_id: str, student_head: str, objective: str, dtype: torch.dtype, empty: bool = False
 ) -> tuple[torch.nn.Module, bool]:
     """The unswapped source, with the language-model head (masked or causal) where student and source both have it,
-    and whether they have a masked-LM head."""
+    and whether they have a masked-LM head. With `empty`, its weights are not read (`empty_model`)."""
     try:
         same_head = student_head in ("masked-lm", "causal-lm") and _head_of(teacher_id) == student_head
         if objective in LANGUAGE_OBJECTIVES and not same_head:
             needed = student_head.replace("-lm", "-LM")
             raise HealError(f"objective={objective!r} needs a {needed} teacher; {teacher_id} has none")
-        teacher = load_unswapped(teacher_id, head=student_head if same_head else "base", dtype=dtype)
+        head = student_head if same_head else "base"
+        if empty:
+            teacher = empty_model(source_config(teacher_id), head, dtype).eval()
+            teacher.tie_weights()
+        else:
+            teacher = load_unswapped(teacher_id, head=head, dtype=dtype)
         return teacher, same_head and student_head == "masked-lm"
     except ConversionError as error:
         raise HealError(f"teacher {error}") from None
@@ -157,3 +172,18 @@ def _head_of(teacher_id: str) -> str:
     if is_gguf(teacher_id):  # Transformers reads a GGUF file as a causal LM (`convert` does too)
         return "causal-lm"
     return head_of_config(AutoConfig.from_pretrained(teacher_id))
+
+
+def source_config(source: str) -> NormSwapConfig:
+    """SOURCE's configuration (folder, Hub id or GGUF file) as the unswapped NormSwap configuration, read without its
+    weights."""
+    try:
+        if is_gguf(source):  # Transformers reads a GGUF file as a causal LM
+            path = Path(source)
+            config, head = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name), "causal-lm"
+        else:
+            config = AutoConfig.from_pretrained(source)
+            head = head_of_config(config)
+        return normswap_config(config, architectures=[HEAD_CLASSES[head].__name__])
+    except (OSError, ValueError, KeyError) as error:
+        raise HealError(f"{source}: no readable configuration ({str(error).splitlines()[0]})") from None

@@ -2,14 +2,10 @@
 
 from pathlib import Path
 
-from transformers import AutoConfig
-
-from ..convert.families import normswap_config
-from ..gguf import is_gguf
 from ..model.configuration_normswap import NormSwapConfig
-from ..model.heads import HEAD_CLASSES, head_of_config
+from ..model.heads import head_of_config
 from ..sharding.memory_plan import MemoryPlan, plan_memory
-from .models import resolve_teacher
+from .models import resolve_teacher, source_config
 from .options import HealError, HealOptions
 
 
@@ -38,18 +34,3 @@ def heal_plan(variant: str, options: HealOptions, processes: int) -> MemoryPlan:
         teacher_config=teacher,
         trainable=trainable,
     )
-
-
-def source_config(source: str) -> NormSwapConfig:
-    """SOURCE's configuration (folder, Hub id or GGUF file) as the unswapped NormSwap configuration, read without its
-    weights."""
-    try:
-        if is_gguf(source):  # Transformers reads a GGUF file as a causal LM
-            path = Path(source)
-            config, head = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name), "causal-lm"
-        else:
-            config = AutoConfig.from_pretrained(source)
-            head = head_of_config(config)
-        return normswap_config(config, architectures=[HEAD_CLASSES[head].__name__])
-    except (OSError, ValueError, KeyError) as error:
-        raise HealError(f"{source}: no readable configuration ({str(error).splitlines()[0]})") from None

@@ -1,5 +1,7 @@
 """The model heads by name: NormSwap classes, Transformers' Auto classes, and source architectures."""
 
+import torch
+from accelerate import init_empty_weights
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
@@ -45,6 +47,13 @@ _ARCHITECTURE_SUFFIXES = {
     "LMHeadModel": "causal-lm",
     "Model": "base",
 }
+
+
+def empty_model(config, head: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The NormSwap model of `head` and `config` in `dtype`, its parameters on the meta device (nothing allocated,
+    nothing initialised) and its buffers built, for weights assigned after; a head to be tied is not tied yet."""
+    with init_empty_weights(include_buffers=False):
+        return HEAD_CLASSES[head]._from_config(config, dtype=dtype)
 
 
 def local_name(name: str, head: str) -> str:

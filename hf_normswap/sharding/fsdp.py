@@ -2,19 +2,21 @@
 
 A model is sharded block by block (each of its `_no_split_modules` but the one holding the input embeddings, e.g.
 every `NormSwapLayer`), then as a whole: the root's unit holds the embeddings, the final norm and a language-model head
-(tied or not), which stay together. On accelerators the Trainer's own FSDP2 (through accelerate) shards the trained
-model; on CPU accelerate takes no FSDP plugin (it trains with DDP instead), so the model is sharded here and marked as
-owning its placement and gradient reduction, which keeps the Trainer from wrapping it in DDP.
+(tied or not), which stay together. Only the main process reads the weights of a model sharded here; the others build
+it empty and take their shards from it. On accelerators the Trainer's own FSDP2 (through accelerate) shards the
+trained model; on CPU accelerate takes no FSDP plugin (it trains with DDP instead), so the model is sharded here and
+marked as owning its placement and gradient reduction, which keeps the Trainer from wrapping it in DDP.
 """
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import TrainerCallback
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
@@ -53,15 +55,28 @@ def sharded(options: ShardingOptions) -> bool:
     return options.fsdp and (state.num_processes > 1 or (launched and parse_flag_from_env("ACCELERATE_USE_FSDP")))
 
 
+def loads_weights(options: ShardingOptions, trained: bool = False) -> bool:
+    """Whether this process reads a model's weights: every process unless `options` shard; sharded, the main process
+    alone, the others building the model empty (`empty_model`) for `shard` to hand them their shards. A `trained`
+    model that accelerate's FSDP2 shards (on accelerators) is read by every process, as accelerate expects."""
+    return not sharded(options) or is_main_process() or (trained and accelerate_shards())
+
+
 def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
     """`model` sharded in place across the processes: each block its own FSDP2 unit, then the root; in bfloat16
-    mixed precision with `bf16` (gradients reduced in float32)."""
+    mixed precision with `bf16` (gradients reduced in float32). Every process's shards and buffers are the main
+    process's model's: the others may hold it empty (its parameters on the meta device)."""
     release_freed_memory()
+    handed_out = world_size() > 1
+    whole = dict(model.named_parameters()) if handed_out and is_main_process() else {}  # a tied one once
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kwargs = {"mp_policy": policy} if policy else {}
     for block in blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    if handed_out:
+        _take_main_weights(model, whole)
+    del whole
     record_outputs(model)
     # FSDP2 takes the first unit that runs forward for the root: run the whole model once, so that its submodules
     # (`base_model`, the head) may run alone after
@@ -71,6 +86,27 @@ def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
     model._is_distributed_loading_by_transformers = True  # the Trainer then neither moves nor DDP-wraps it
     release_freed_memory()  # the whole weights, freed
     return model
+
+
+def _take_main_weights(model: torch.nn.Module, whole: dict) -> None:
+    """Sets every process's shards of the sharded `model`, and its buffers, to the main process's: its `whole`
+    parameters (empty elsewhere), one tensor at a time; a process that built `model` empty allocates its shards
+    first."""
+    if any(tensor.is_meta for tensor in itertools.chain(model.parameters(), model.buffers())):
+        model.to_empty(device=processes().device)
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)  # buffers: below
+    set_model_state_dict(model, whole, options=broadcast)
+    for buffer in model.buffers():  # those outside the state dict too (e.g. rotary frequencies)
+        dist.broadcast(buffer, src=0)
+
+
+def from_main_process(tensor: torch.Tensor | None, shape: tuple, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """The main process's `tensor` (of `shape` and `dtype`) on every process, on the CPU; elsewhere `tensor` is None.
+    Every process must call it."""
+    device = processes().device
+    shared = tensor.to(device) if is_main_process() else torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(shared, src=0)
+    return shared.cpu()
 
 
 def record_outputs(model: torch.nn.Module) -> None:
@@ -115,7 +151,7 @@ def prepare_frozen(model: torch.nn.Module, options: ShardingOptions) -> torch.nn
     sharded across the processes with `fsdp`, its root unit too resharded after every forward."""
     model.eval().requires_grad_(False)
     if sharded(options):
-        if accelerate_shards():
+        if accelerate_shards() and not next(model.parameters()).is_meta:
             model.to(torch.accelerator.current_accelerator())
         shard(model, bf16=options.bf16)
         model.set_reshard_after_forward(True, recurse=False)  # FSDP2 would keep its root gathered for a backward

@@ -1,0 +1,44 @@
+"""Loads the tied variant's healing models under `torchrun` on CPU with `fsdp`, samples its training texts from the
+teacher, and shards both models; each process writes to `FOLDER/rank-N.json` whether each model held its weights
+before sharding (parameters off the meta device), the sampled token ids, and its teacher's embeddings gathered whole
+after sharding.
+
+Run by `tests/test_sharding.py`: with 2 processes only the main one reads the weights and samples, and the other
+trains on the same texts and weights; with 1 process (no sharding) it reads and samples as any unsharded healing."""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from hf_normswap.heal.data import heal_texts
+from hf_normswap.heal.models import load_models
+from hf_normswap.heal.options import HealOptions
+from hf_normswap.sharding.fsdp import gathered, prepare_frozen, prepare_trained, processes
+
+
+def holds_weights(model: torch.nn.Module) -> bool:
+    return not any(parameter.is_meta for parameter in model.parameters())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variant", type=Path)
+    parser.add_argument("folder", type=Path)
+    arguments = parser.parse_args()
+    options = HealOptions(
+        fsdp=True, objective="kl", data="teacher", sample_count=6, sample_length=5, batch_size=2, max_steps=1
+    )
+    models = load_models(str(arguments.variant), options)
+    loaded = {"student": holds_weights(models.student), "teacher": holds_weights(models.teacher)}
+    texts = heal_texts(
+        options=options, tokenizer=AutoTokenizer.from_pretrained(arguments.variant), teacher=models.teacher
+    )
+    prepare_trained(models.student, options)
+    prepare_frozen(models.teacher, options)
+    with gathered(models.teacher):
+        embeddings = models.teacher.get_input_embeddings().weight.tolist()
+    record = {"loaded": loaded, "texts": list(texts.train["input_ids"]), "teacher_embeddings": embeddings}
+    (arguments.folder / f"rank-{processes().process_index}.json").write_text(json.dumps(record))
