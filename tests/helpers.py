@@ -260,6 +260,18 @@ def logged(folder, key: str) -> list[float]:
     return [entry[key] for entry in history if key in entry and "train_loss" not in entry]
 
 
+def assert_same_healing(healed: Path, reference: Path) -> None:
+    """The two healings logged the same losses and gradient norms at each of their 4 steps and saved the same tensors
+    (the key bias aside: ZERO_GRADIENT), within TOLERANCE."""
+    for key in ("loss", "grad_norm"):
+        got, expected = logged(healed, key), logged(reference, key)
+        assert len(got) == len(expected) == 4
+        assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
+    got, expected = tensors(healed), tensors(reference)
+    assert got.keys() == expected.keys()  # the full model: a tied head saved once, as unsharded
+    assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE
+
+
 def comparison_arguments(folder: Path) -> list[str]:
     """`compare`'s arguments for the sharded-comparison tests: a tiny BERT without dropout and a tiny task (written to
     `folder`), `post` and `pre+heal` fine-tuned one epoch of 32 examples with one seed, every step logged."""

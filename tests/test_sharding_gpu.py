@@ -20,9 +20,8 @@ import torch
 from hf_normswap import accelerate_config
 
 from helpers import (
-    TOLERANCE,
-    ZERO_GRADIENT,
     assert_same_comparison,
+    assert_same_healing,
     comparison_arguments,
     comparison_batch_arguments,
     healed_folder,
@@ -75,14 +74,7 @@ def healed(tmp_path_factory):
 @pytest.mark.parametrize("healing", HEALINGS)
 def test_accelerate_fsdp2_heals_as_one_unsharded_process(healed, healing):
     variants, per_device = healed
-    sharded, plain = healed_folder(variants, healing, per_device, "-fsdp"), healed_folder(variants, healing, 8)
-    for key in ("loss", "grad_norm"):
-        got, expected = logged(sharded, key), logged(plain, key)
-        assert len(got) == len(expected) == 4
-        assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
-    got, expected = tensors(sharded), tensors(plain)
-    assert got.keys() == expected.keys()
-    assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE
+    assert_same_healing(healed_folder(variants, healing, per_device, "-fsdp"), healed_folder(variants, healing, 8))
 
 
 @pytest.mark.parametrize("healing", HEALINGS)
