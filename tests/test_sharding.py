@@ -143,6 +143,27 @@ def test_only_the_main_process_reads_the_weights(variants, tmp_path):
     assert main["teacher_embeddings"] == other["teacher_embeddings"] == alone["teacher_embeddings"]
 
 
+@pytest.mark.parametrize("placement", ["post", "pre"])
+def test_diagnostics_leave_no_gradient_under_accelerates_units(tmp_path, placement):
+    """Sharded as accelerate's FSDP2 does on GPUs, with a tail unit that stays gathered after its forward (post: the
+    embeddings, which hold a norm; pre: the final norm), the comparison's diagnostics at the start of training (a
+    probe's backward, then the collapse figures with the root gathered) leave every unit resharded and no gradient
+    behind: the first training step's gradients equal the plain model's exactly. Before `gathered` resharded every
+    unit, the probe's gradients of the tail were added to the first step's (0.08 in the post model's position
+    embeddings), the loss curves differing from the second step (docs/experiments/scale.md)."""
+    script = TESTS / "distributed_diagnostics.py"
+    for processes, shard in ((2, ["--shard"]), (1, [])):
+        (tmp_path / str(processes)).mkdir()
+        torchrun(script, tmp_path / str(processes), placement, *shard, processes=processes, cwd=tmp_path)
+    records = [json.loads((tmp_path / name).read_text()) for name in ("2/rank-0.json", "2/rank-1.json")]
+    plain = json.loads((tmp_path / "1" / "rank-0.json").read_text())
+    for record in records:
+        assert (record["units"], record["resharded"], record["cleared"]) == (5, True, True)
+        assert record["gradients"].keys() == plain["gradients"].keys()
+        for name, gradient in plain["gradients"].items():
+            assert record["gradients"][name] == pytest.approx(gradient, abs=TOLERANCE, rel=0), name
+
+
 def test_sharding_options_are_checked(variants, tmp_path, capsys):
     with pytest.raises(ShardingError, match="fsdp_config='fsdp.json' needs fsdp"):
         ShardingOptions(fsdp_config="fsdp.json")

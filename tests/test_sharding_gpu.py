@@ -103,10 +103,6 @@ def test_student_and_teacher_are_sharded_and_the_teacher_never_trains(healed, re
             assert step["teacher_gathered"] == (not launched), (name, step)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="its losses differ from the second step on, for a cause not yet found (docs/experiments/scale.md)",
-)
 def test_a_comparison_under_accelerate_fsdp2_equals_one_unsharded_process(tmp_path):
     """`compare --fsdp` under accelerate's FSDP2 launch trains, heals and evaluates as one unsharded process."""
     arguments = ["-m", "hf_normswap.cli", "compare", *comparison_arguments(tmp_path)]

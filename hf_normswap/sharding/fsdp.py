@@ -179,16 +179,18 @@ def resumable(options: ShardingOptions) -> bool:
 @contextlib.contextmanager
 def gathered(*models: torch.nn.Module) -> Iterator[None]:
     """The root units of the sharded `models` gathered for the block (their embeddings, final norm and head), so that
-    their submodules (`base_model`, a head) run outside the models' own forward; resharded after. Every process must
-    enter it."""
+    their submodules (`base_model`, a head) run outside the models' own forward; after it every unit of theirs is
+    resharded, those that stay gathered after a forward too (accelerate's tail of final norm and head): a gathered
+    unit's parameters are its unsharded ones, which `zero_grad` would clear instead of the sharded gradients. Every
+    process must enter it."""
     roots = [model for model in models if isinstance(model, FSDPModule)]
     for root in roots:
         root.unshard()
     try:
         yield
     finally:
-        for root in roots:
-            root.reshard()
+        for unit in (module for root in roots for module in root.modules() if isinstance(module, FSDPModule)):
+            unit.reshard()
 
 
 def unsharded(model: torch.nn.Module) -> torch.nn.Module | None:
