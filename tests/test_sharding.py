@@ -32,6 +32,15 @@ from helpers import (
 
 
 TESTS = Path(__file__).parent
+ACCELERATE_ON_CPU = TESTS / "accelerate_fsdp_on_cpu.py"
+# what `accelerate launch` with the shipped fsdp2_bf16 configuration sets for its processes, in float32
+FSDP2 = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "NormSwapLayer",
+    "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
+}
 
 
 def torchrun(*arguments, processes: int, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -187,13 +196,33 @@ def test_fsdp_in_one_process_heals_unsharded(variants, tmp_path):
 
 
 def test_sharded_comparison_equals_one_process(tmp_path):
-    """`compare --fsdp` under 2 processes with 4 examples each trains and evaluates as 1 process with 8."""
+    """`compare --fsdp` under 2 processes with 4 examples each trains and evaluates as 1 process with 8: sharded here,
+    and sharded by the Trainer through accelerate's FSDP2 plugin as on GPUs (its units, clipping and saving)."""
     arguments = ["-m", "hf_normswap.cli", "compare", *comparison_arguments(tmp_path)]
-    two = [*comparison_batch_arguments(4), "--fsdp", "--output=two"]
-    assert torchrun(*arguments, *two, processes=2, cwd=tmp_path).stdout.count("report:") == 1
+    two = [*comparison_batch_arguments(4), "--fsdp"]
+    assert torchrun(*arguments, *two, "--output=two", processes=2, cwd=tmp_path).stdout.count("report:") == 1
+    accelerate = torchrun(
+        ACCELERATE_ON_CPU, *arguments, *two, "--output=accelerate", processes=2, cwd=tmp_path, env=FSDP2
+    )
+    assert accelerate.stdout.count("report:") == 1
     # the reference under torchrun too: the Trainer shuffles through accelerate's sampler there, as with 2 processes
     torchrun(*arguments, *comparison_batch_arguments(8), "--output=one", processes=1, cwd=tmp_path)
     assert_same_comparison(tmp_path / "two", tmp_path / "one")
+    assert_same_comparison(tmp_path / "accelerate", tmp_path / "one")
+
+
+def test_accelerates_fsdp2_heals_as_one_process(healed):
+    """Under accelerate's FSDP2 plugin (the GPU path, here on 2 CPU processes) the Trainer shards the student, the
+    teacher is sharded beside it, and each healing equals the one unsharded process's."""
+    script = TESTS / "distributed_heal.py"
+    record = healed / "accelerate.json"
+    torchrun(ACCELERATE_ON_CPU, script, healed, record, 4, "--tag=-accelerate", processes=2, cwd=healed, env=FSDP2)
+    for name, steps in json.loads(record.read_text()).items():
+        for step in steps:
+            assert step["student_sharded"] and step["teacher_sharded"] and not step["student_wrapped"], (name, step)
+            assert step["grads"] == step["requires_grad"] == step["in_optimizer"] == 0, (name, step)
+    for name in ("tied", "tied-forward", "untied", "bert"):
+        assert_same_healing(healed_folder(healed, name, 4, "-accelerate"), healed_folder(healed, name, 8))
 
 
 FRAGMENTED_HEAP = """

@@ -152,7 +152,7 @@ def prepare_frozen(model: torch.nn.Module, options: ShardingOptions) -> torch.nn
     model.eval().requires_grad_(False)
     if sharded(options):
         if accelerate_shards() and not next(model.parameters()).is_meta:
-            model.to(torch.accelerator.current_accelerator())
+            model.to(processes().device)
         shard(model, bf16=options.bf16)
         model.set_reshard_after_forward(True, recurse=False)  # FSDP2 would keep its root gathered for a backward
     return model
