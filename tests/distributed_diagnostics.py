@@ -46,8 +46,8 @@ def gradients(model: torch.nn.Module) -> dict[str, list]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("folder", type=Path)
     parser.add_argument("placement")
+    parser.add_argument("folder", type=Path)
     parser.add_argument("--shard", action="store_true")
     arguments = parser.parse_args()
     state = processes()

@@ -62,6 +62,15 @@ def torchrun(*arguments, processes: int, cwd: Path, env: dict | None = None) -> 
     return process
 
 
+def records_by_rank(script: Path, *arguments, processes: int, folder: Path) -> list[dict]:
+    """Runs a tests/ script that writes each process's record to `rank-N.json` in the folder given last (here
+    FOLDER/PROCESSES) under `torchrun` with `processes` processes; the records, by rank."""
+    output = folder / str(processes)
+    output.mkdir()
+    torchrun(script, *arguments, output, processes=processes, cwd=folder)
+    return [json.loads((output / f"rank-{rank}.json").read_text()) for rank in range(processes)]
+
+
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
     return sharding_variants(tmp_path_factory.mktemp("sharding"))
@@ -139,12 +148,8 @@ def test_only_the_main_process_reads_the_weights(variants, tmp_path):
     from the teacher; the other builds both models empty and takes its shards and the texts from the main one. Both
     then hold what one unsharded process holds, exactly (the weights and texts are copied, not computed again)."""
     script, variant = TESTS / "distributed_load.py", variants / "tied" / "variant"
-    for processes in (2, 1):
-        (tmp_path / str(processes)).mkdir()
-        torchrun(script, variant, tmp_path / str(processes), processes=processes, cwd=tmp_path)
-    main, other, alone = (
-        json.loads((tmp_path / name).read_text()) for name in ("2/rank-0.json", "2/rank-1.json", "1/rank-0.json")
-    )
+    main, other = records_by_rank(script, variant, processes=2, folder=tmp_path)
+    (alone,) = records_by_rank(script, variant, processes=1, folder=tmp_path)
     assert main["loaded"] == alone["loaded"] == {"student": True, "teacher": True}
     assert other["loaded"] == {"student": False, "teacher": False}
     assert len(alone["texts"]) == 6 and {len(text) for text in alone["texts"]} == {5}
@@ -161,12 +166,9 @@ def test_diagnostics_leave_no_gradient_under_accelerates_units(tmp_path, placeme
     unit, the probe's gradients of the tail were added to the first step's (0.08 in the post model's position
     embeddings), the loss curves differing from the second step (docs/experiments/scale.md)."""
     script = TESTS / "distributed_diagnostics.py"
-    for processes, shard in ((2, ["--shard"]), (1, [])):
-        (tmp_path / str(processes)).mkdir()
-        torchrun(script, tmp_path / str(processes), placement, *shard, processes=processes, cwd=tmp_path)
-    records = [json.loads((tmp_path / name).read_text()) for name in ("2/rank-0.json", "2/rank-1.json")]
-    plain = json.loads((tmp_path / "1" / "rank-0.json").read_text())
-    for record in records:
+    sharded = records_by_rank(script, placement, "--shard", processes=2, folder=tmp_path)
+    (plain,) = records_by_rank(script, placement, processes=1, folder=tmp_path)
+    for record in sharded:
         assert (record["units"], record["resharded"], record["cleared"]) == (5, True, True)
         assert record["gradients"].keys() == plain["gradients"].keys()
         for name, gradient in plain["gradients"].items():
