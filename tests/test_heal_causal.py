@@ -181,10 +181,16 @@ def test_kl_healing_on_teacher_text(llama, schedule):
     assert len(losses_logged) >= 4
 
 
-def test_kl_objective_decreases_on_text(llama):
-    report = heal_checkpoint(
-        str(llama / "post-shifted"), str(llama / "healed-text"), **{**HEAL, "max_steps": 30}, data="sst2-sample"
-    )
+@pytest.fixture(scope="module")
+def healed_text(llama):
+    """The shifted post-LN variant healed on text with the KL objective; its folder and report."""
+    output = llama / "healed-text"
+    report = heal_checkpoint(str(llama / "post-shifted"), str(output), **{**HEAL, "max_steps": 30}, data="sst2-sample")
+    return output, report
+
+
+def test_kl_objective_decreases_on_text(healed_text):
+    _, report = healed_text
     before, after = report["next_token"]["before"], report["next_token"]["after"]
     assert after["kl"] < 0.5 * before["kl"] and after["top1_agreement"] > before["top1_agreement"]
 
@@ -208,9 +214,10 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
         HealOptions(swap_schedule="slow")
 
 
-def test_card_reports_next_token_figures(llama):
-    card, _ = build_card(llama / "healed-text", "user/healed", base_model="user/tiny-llama", license="mit")
-    record = json.loads((llama / "healed-text" / "conversion.json").read_text())
+def test_card_reports_next_token_figures(healed_text):
+    folder, _ = healed_text
+    card, _ = build_card(folder, "user/healed", base_model="user/tiny-llama", license="mit")
+    record = json.loads((folder / "conversion.json").read_text())
     effect, after = record["swap_effect"], record["heal"]["next_token"]["after"]
     assert f"top-1 agreement {effect['top1_agreement']:.3f}" in card.text
     assert f"After healing: KL {after['kl']:.3f} nats per token" in card.text
