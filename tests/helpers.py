@@ -260,13 +260,24 @@ def logged(folder, key: str) -> list[float]:
     return [entry[key] for entry in history if key in entry and "train_loss" not in entry]
 
 
+def figures(entry, path: str = "") -> dict:
+    """The values of a nested heal.json entry (dicts and lists), by their path: what `pytest.approx` compares."""
+    if isinstance(entry, dict | list):
+        items = entry.items() if isinstance(entry, dict) else enumerate(entry)
+        return {name: value for key, item in items for name, value in figures(item, f"{path}/{key}").items()}
+    return {path: entry}
+
+
 def assert_same_healing(healed: Path, reference: Path) -> None:
-    """The two healings logged the same losses and gradient norms at each of their 4 steps and saved the same tensors
-    (the key bias aside: ZERO_GRADIENT), within TOLERANCE."""
+    """The two healings logged the same losses and gradient norms at each of their 4 steps, measured the same student
+    before and after, and saved the same tensors (the key bias aside: ZERO_GRADIENT), within TOLERANCE."""
     for key in ("loss", "grad_norm"):
         got, expected = logged(healed, key), logged(reference, key)
         assert len(got) == len(expected) == 4
         assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
+    got, expected = (json.loads((folder / "heal.json").read_text()) for folder in (healed, reference))
+    for key in ("before", "after", "next_token"):
+        assert figures(got[key]) == pytest.approx(figures(expected[key]), abs=TOLERANCE), key
     got, expected = tensors(healed), tensors(reference)
     assert got.keys() == expected.keys()  # the full model: a tied head saved once, as unsharded
     assert max((got[k] - expected[k]).abs().max().item() for k in got if ZERO_GRADIENT not in k) <= TOLERANCE

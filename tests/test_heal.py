@@ -256,3 +256,33 @@ def test_packed_healing_is_padded_healing(tmp_path, objective):
         assert a["token_cosine"] == pytest.approx(b["token_cosine"], abs=1e-4) and a["mse"] == pytest.approx(
             b["mse"], abs=1e-4
         )
+
+
+def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path, monkeypatch):
+    """The student is measured as training begins and every step here (5 steps): a healing interrupted after the
+    checkpoint of step 3 resumes from it with the figures measured until then, and reports what an uninterrupted one
+    does (before, history and after) within 1e-5."""
+    from hf_normswap.heal import healing
+
+    settings = dict(HEAL, max_steps=5, data=str(variant / "text.txt"), objective="hidden")
+    whole = heal_checkpoint(str(variant / "pre"), str(tmp_path / "whole"), **settings)
+    original = healing.HealTrainer
+
+    class Interrupted(original):
+        def training_step(self, *args, **kwargs):
+            if self.state.global_step == 3:  # after the checkpoints of steps 1 to 3
+                raise KeyboardInterrupt
+            return super().training_step(*args, **kwargs)
+
+    resumable = dict(settings, checkpoint_dir=str(tmp_path / "checkpoints"))
+    monkeypatch.setattr(healing, "HealTrainer", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
+    monkeypatch.setattr(healing, "HealTrainer", original)
+    resumed = heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
+    assert resumed["resumed"] and not whole["resumed"]
+    assert resumed["before"] == whole["before"]  # measured once, before the interruption
+    steps = [[entry["step"] for entry in report["history"]] for report in (resumed, whole)]
+    assert steps == [list(range(6))] * 2
+    for ours, theirs in zip(resumed["history"] + resumed["after"], whole["history"] + whole["after"]):
+        assert ours == pytest.approx(theirs, abs=1e-5)

@@ -62,12 +62,13 @@ def torchrun(*arguments, processes: int, cwd: Path, env: dict | None = None) -> 
     return process
 
 
-def records_by_rank(script: Path, *arguments, processes: int, folder: Path) -> list[dict]:
+def records_by_rank(script: Path, *arguments, processes: int, folder: Path, env: dict | None = None) -> list[dict]:
     """Runs a tests/ script that writes each process's record to `rank-N.json` in the folder given last (here
-    FOLDER/PROCESSES) under `torchrun` with `processes` processes; the records, by rank."""
+    FOLDER/PROCESSES) under `torchrun` with `processes` processes (and `env`), through ACCELERATE_ON_CPU if it is
+    the first of `arguments`; the records, by rank."""
     output = folder / str(processes)
-    output.mkdir()
-    torchrun(script, *arguments, output, processes=processes, cwd=folder)
+    output.mkdir(parents=True)
+    torchrun(script, *arguments, output, processes=processes, cwd=folder, env=env)
     return [json.loads((output / f"rank-{rank}.json").read_text()) for rank in range(processes)]
 
 
@@ -152,6 +153,9 @@ def test_only_the_main_process_reads_the_weights(variants, tmp_path):
     (alone,) = records_by_rank(script, variant, processes=1, folder=tmp_path)
     assert main["loaded"] == alone["loaded"] == {"student": True, "teacher": True}
     assert other["loaded"] == {"student": False, "teacher": False}
+    # the student that accelerate's FSDP2 shards (on GPUs) too: it hands the main process's weights out itself
+    accelerated = records_by_rank(ACCELERATE_ON_CPU, script, variant, processes=2, folder=tmp_path / "a", env=FSDP2)
+    assert [record["loaded"] for record in accelerated] == [main["loaded"], other["loaded"]]
     assert len(alone["texts"]) == 6 and {len(text) for text in alone["texts"]} == {5}
     assert main["texts"] == other["texts"] == alone["texts"]
     assert main["teacher_embeddings"] == other["teacher_embeddings"] == alone["teacher_embeddings"]

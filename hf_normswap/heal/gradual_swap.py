@@ -11,7 +11,8 @@ gate g_p in [0, 1] mixes the two:
     sublayer input:   g * y + (1 - g) * y / rms(y)                            (where the target has no input norm)
 
 g = 0 everywhere is the source, g = 1 the calibrated target; the last write (the source's final norm) is never mixed.
-The gates open over the first half of the steps, all at once (`gate`) or one layer after another (`layers`).
+The gates open over the first half of the steps, all at once (`gate`) or one layer after another (`layers`); before
+the first step (where the healing measures the student as it starts) they are open.
 """
 
 import json
@@ -40,7 +41,7 @@ class GradualSwap(TrainerCallback):
         self.layers = len(base.layers)
         if len(stream_rms) != 2 * self.layers + 1:
             raise HealError(f"swap_schedule={schedule!r}: the recorded stream RMS does not fit the student's layers")
-        self.gates = torch.zeros(2 * self.layers)
+        self.gates = torch.ones(2 * self.layers)  # open, the student's own placement, until training's first step
         self.hooks = []
         centred = base.config.norm_type == "layernorm"
         sublayers = [

@@ -7,6 +7,7 @@ measured on all-MiniLM-L6-v2 (post -> pre): docs/experiments/healing.md.
 """
 
 import contextlib
+import functools
 import json
 import shutil
 import tempfile
@@ -94,23 +95,27 @@ def _heal(
     quiet: bool,
     stream_rms: list[float] | None,
 ) -> HealReport:
-    """Trains the student, measured on the held-out batches before, every fifth of the way and after (by every
-    process, when sharded)."""
-    with gathered(models.student, models.teacher):
+    """Trains the student, measured on the held-out batches as training begins, every fifth of the way and after (by
+    every process, when sharded)."""
+    with gathered(models.teacher):
         teacher = teacher_states(models.teacher, texts.held_out)
-        before = measure(models.student, texts.held_out, teacher)
-        head_before = _head_figures(models, texts.held_out, tokenizer)
-    probe = HealProbeCallback(texts.held_out, teacher, every=max(1, options.max_steps // 5))
-    probe.history.append({"step": 0, **before[-1]})
+    causal = head_of_config(models.student.config) == "causal-lm"
+    prompts = greedy_prompts(texts.held_out, tokenizer) if causal else None
+    head_figures = functools.partial(
+        _head_figures, models=models, batches=texts.held_out, tokenizer=tokenizer, prompts=prompts
+    )
+    every = max(1, options.max_steps // 5)
+    probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
     callbacks = [probe]
     if stream_rms is not None:
         callbacks.append(GradualSwap(models.student, stream_rms, options.swap_schedule, options.max_steps))
     log_history, seconds, resumed = _train(models, texts, options, callbacks=callbacks, work=work, quiet=quiet)
     for callback in callbacks[1:]:
         callback.remove()  # the saved student is the target placement
+    before, head_before = probe.before, probe.head_before
     with gathered(models.student, models.teacher):
         after = measure(models.student, texts.held_out, teacher)
-        head_after = _head_figures(models, texts.held_out, tokenizer, prompts=head_before["prompts"])
+        head_after = head_figures(models.student)
         masked_lm, next_token = _head_results(models, texts.held_out, tokenizer, before=head_before, after=head_after)
     probe.history.append({"step": options.max_steps, **after[-1]})
     return HealReport(
@@ -157,17 +162,16 @@ def _head_results(
     return masked_lm, next_token
 
 
-def _head_figures(models: HealModels, batches: list[dict], tokenizer, prompts: dict | None = None) -> dict:
+def _head_figures(student, *, models: HealModels, batches: list[dict], tokenizer, prompts: dict | None) -> dict:
     """The student's figures through its language-model head on the held-out `batches`: its masked-LM loss (with a
     masked-LM head), or its next-token KL and top-1 agreement to the teacher and its greedy agreement from `prompts`
-    (the first tokens of the held-out texts unless given) (with a causal-LM head)."""
-    figures = {"masked_lm": None, "next_token": None, "prompts": None}
+    (with a causal-LM head)."""
+    figures = {"masked_lm": None, "next_token": None}
     if models.masked_lm:
-        figures["masked_lm"] = masked_lm_loss(models.student, batches, tokenizer)
-    if head_of_config(models.student.config) == "causal-lm":
-        figures["prompts"] = prompts = prompts or greedy_prompts(batches, tokenizer)
-        figures["next_token"] = next_token_agreement(models.teacher, models.student, batches) | {
-            "greedy_agreement": greedy_agreement(models.teacher, models.student, prompts)
+        figures["masked_lm"] = masked_lm_loss(student, batches, tokenizer)
+    if prompts is not None:
+        figures["next_token"] = next_token_agreement(models.teacher, student, batches) | {
+            "greedy_agreement": greedy_agreement(models.teacher, student, prompts)
         }
     return figures
 

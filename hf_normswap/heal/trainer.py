@@ -1,17 +1,20 @@
 """The Trainer that heals: its loss is the distance of the student's boundary states to the teacher's, on the same
-batch (padding-free with `packing`); a callback measures the student on held-out text along the way.
+batch (padding-free with `packing`); a callback measures the student on held-out text as it begins and along the way.
 
 Under data parallelism (or FSDP2: `sharding`) each process's loss is its mean over its own tokens weighted by its
 share of the global batch's tokens, so that the processes' averaged gradient is that of one process taking the whole
 batch (exactly so for `hidden` and `kl`; the batch-level terms of `similarity`, `cka` and `mlm` stay per process).
 """
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..model.packing import pack_padded, unpack
 from ..sharding.fsdp import RecordShardedOutputs, gathered, token_share, trainer_arguments
@@ -101,13 +104,46 @@ def training_arguments(
 
 
 class HealProbeCallback(TrainerCallback):
-    """Measures the student on the held-out batches every `every` steps before the last, for the plot."""
+    """Measures the student on the held-out batches as the Trainer trains it (sharded, on its device): when training
+    begins (`before`, and `head_figures(student)`: `head_before`), then every `every` steps before the last, for the
+    plot. Its figures go into every checkpoint and are read back when training resumes from one."""
 
-    def __init__(self, batches: list[dict], teacher_states: list[tuple], every: int):
-        self.batches, self.teacher_states, self.every, self.history = batches, teacher_states, every, []
+    FILE = "heal_probe.json"
+
+    def __init__(
+        self,
+        batches: list[dict],
+        teacher_states: list[tuple],
+        teacher: torch.nn.Module,
+        every: int,
+        head_figures: Callable[[torch.nn.Module], dict],
+    ):
+        self.batches, self.teacher_states, self.teacher, self.every = batches, teacher_states, teacher, every
+        self.head_figures = head_figures
+        self.before, self.head_before, self.history = None, None, []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step > 0:  # resumed: the figures of the run interrupted
+            saved = json.loads((_checkpoint(args, state) / self.FILE).read_text())
+            self.before, self.head_before, self.history = saved["before"], saved["head_before"], saved["history"]
+            return
+        with gathered(model, self.teacher):  # every process measures (a sharded student needs them all)
+            self.before = measure(model, self.batches, self.teacher_states)
+            self.head_before = self.head_figures(model)
+        self.history = [{"step": 0, **self.before[-1]}]
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every == 0 and state.global_step < state.max_steps:
-            with gathered(model):  # every process measures (a sharded student needs them all)
+            with gathered(model):
                 last = measure(model, self.batches, self.teacher_states)[-1]
             self.history.append({"step": state.global_step, **last})
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            figures = {"before": self.before, "head_before": self.head_before, "history": self.history}
+            (_checkpoint(args, state) / self.FILE).write_text(json.dumps(figures))
+
+
+def _checkpoint(args: TrainingArguments, state) -> Path:
+    """The folder of the checkpoint the Trainer saves (or resumes from) at the state's step."""
+    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"

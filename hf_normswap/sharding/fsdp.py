@@ -4,13 +4,16 @@ A model is sharded block by block (each of its `_no_split_modules` but the one h
 every `NormSwapLayer`), then as a whole: the root's unit holds the embeddings, the final norm and a language-model head
 (tied or not), which stay together. Only the main process reads the weights of a model sharded here; the others build
 it empty and take their shards from it. On accelerators the Trainer's own FSDP2 (through accelerate) shards the
-trained model; on CPU accelerate takes no FSDP plugin (it trains with DDP instead), so the model is sharded here and
-marked as owning its placement and gradient reduction, which keeps the Trainer from wrapping it in DDP.
+trained model, which the main process alone reads too (accelerate's `cpu_ram_efficient_loading`); on CPU accelerate
+takes no FSDP plugin (it trains with DDP instead), so the model is sharded here and marked as owning its placement and
+gradient reduction, which keeps the Trainer from wrapping it in DDP.
 """
 
 import contextlib
 import itertools
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,7 +26,7 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from ..memory import release_freed_memory
 from ..model.evaluation_mode import evaluation_mode
-from .options import ShardingOptions
+from .options import ShardingError, ShardingOptions
 
 
 def processes() -> PartialState:
@@ -57,9 +60,13 @@ def sharded(options: ShardingOptions) -> bool:
 
 def loads_weights(options: ShardingOptions, trained: bool = False) -> bool:
     """Whether this process reads a model's weights: every process unless `options` shard; sharded, the main process
-    alone, the others building the model empty (`empty_model`) for `shard` to hand them their shards. A `trained`
-    model that accelerate's FSDP2 shards (on accelerators) is read by every process, as accelerate expects."""
-    return not sharded(options) or is_main_process() or (trained and accelerate_shards())
+    alone, the others building the model empty (`empty_model`) for `shard`, or for accelerate's FSDP2 (a `trained`
+    model on accelerators), to hand them their shards. Every process reads a trained model that accelerate shards
+    under an `fsdp_config` that turns `cpu_ram_efficient_loading` off."""
+    if not sharded(options) or is_main_process():
+        return True
+    reads_once = str(_fsdp_config(options).get("cpu_ram_efficient_loading", True)).lower() == "true"
+    return trained and accelerate_shards() and not reads_once
 
 
 def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
@@ -78,11 +85,7 @@ def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
         _take_main_weights(model, whole)
     del whole
     record_outputs(model)
-    # FSDP2 takes the first unit that runs forward for the root: run the whole model once, so that its submodules
-    # (`base_model`, the head) may run alone after
-    with torch.no_grad(), evaluation_mode(model):
-        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=next(model.parameters()).device))
-    model.reshard()
+    run_whole_once(model)
     model._is_distributed_loading_by_transformers = True  # the Trainer then neither moves nor DDP-wraps it
     release_freed_memory()  # the whole weights, freed
     return model
@@ -115,11 +118,25 @@ def record_outputs(model: torch.nn.Module) -> None:
     _CAN_RECORD_REGISTRY[model] = getattr(model, "_can_record_outputs", None)
 
 
+def run_whole_once(model: torch.nn.Module) -> None:
+    """Runs the sharded `model` once whole on one token, then reshards every unit: FSDP2 takes the first unit that
+    runs forward for the root, so that its submodules (`base_model`, a head) may run alone after. Every process must
+    call it."""
+    with torch.no_grad(), evaluation_mode(model):
+        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 class RecordShardedOutputs(TrainerCallback):
-    """`record_outputs` for the trained model once the Trainer has prepared it (sharded by accelerate's FSDP2)."""
+    """For the trained model once the Trainer has prepared it (sharded by accelerate's FSDP2): `record_outputs`, and
+    `run_whole_once`, so that the callbacks after it (measurements) may run its submodules alone."""
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         record_outputs(model)
+        if isinstance(model, FSDPModule):
+            run_whole_once(model)
 
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -140,10 +157,28 @@ def block_class_names(model: torch.nn.Module) -> list[str]:
 
 
 def prepare_trained(model: torch.nn.Module, options: ShardingOptions) -> torch.nn.Module:
-    """The model the Trainer trains: sharded here on CPU, left to the Trainer on accelerators."""
+    """The model the Trainer trains: sharded here on CPU, left to the Trainer on accelerators (built empty, with
+    storage for its parameters: see `_give_storage`)."""
     if sharded(options) and not accelerate_shards():
         shard(model, bf16=options.bf16)
+    elif sharded(options):
+        _give_storage(model)
     return model
+
+
+def _give_storage(model: torch.nn.Module) -> None:
+    """Gives the parameters that `model` holds on the meta device (built empty) storage on the CPU, never written:
+    accelerate's FSDP2 tells parameters apart by their storage's address when it hands the optimizer the sharded ones
+    (on the meta device all share address 0), then writes the main process's weights into the shards. Pages never
+    written take no memory; the buffers, built, are kept."""
+    given = {}
+    for module in model.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is not None and parameter.is_meta:
+                if id(parameter) not in given:  # a tied parameter once
+                    storage = torch.empty_like(parameter, device="cpu")
+                    given[id(parameter)] = torch.nn.Parameter(storage, requires_grad=parameter.requires_grad)
+                module._parameters[name] = given[id(parameter)]
 
 
 def prepare_frozen(model: torch.nn.Module, options: ShardingOptions) -> torch.nn.Module:
@@ -164,11 +199,24 @@ def trainer_arguments(options: ShardingOptions, model: torch.nn.Module) -> dict:
     `shard`) cannot be resumed by the Trainer, so it saves no checkpoints (`resumable`)."""
     arguments = {"bf16": options.bf16, "activation_checkpointing": options.activation_checkpointing}
     if sharded(options) and accelerate_shards():
-        config = options.fsdp_config or {"version": 2, "transformer_layer_cls_to_wrap": block_class_names(model)}
-        arguments.update(fsdp=True, fsdp_config=config)
+        config = _fsdp_config(options) or {"version": 2, "transformer_layer_cls_to_wrap": block_class_names(model)}
+        arguments.update(fsdp=True, fsdp_config={"cpu_ram_efficient_loading": True, **config})
     elif not resumable(options):
         arguments.update(save_strategy="no")
     return arguments
+
+
+def _fsdp_config(options: ShardingOptions) -> dict:
+    """The Trainer's `fsdp_config` as the options' JSON file gives it ({} without one)."""
+    if options.fsdp_config is None:
+        return {}
+    try:
+        config = json.loads(Path(options.fsdp_config).read_text())
+    except (OSError, ValueError) as error:
+        raise ShardingError(f"fsdp_config={options.fsdp_config!r}: not a readable JSON file ({error})") from None
+    if not isinstance(config, dict):
+        raise ShardingError(f"fsdp_config={options.fsdp_config!r}: holds {type(config).__name__}, not an object")
+    return config
 
 
 def resumable(options: ShardingOptions) -> bool:
