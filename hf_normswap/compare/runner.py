@@ -195,11 +195,11 @@ class Runner:
 
     def _source_collapse(self, start: Start, probe: dict) -> dict | None:
         """The collapse figures of the pretrained source on the diagnostics probe (None for a configuration), measured
-        once per probe."""
+        once per probe, by the main process alone (it writes the results; None elsewhere)."""
         key = (start.kind == "config", json.dumps(probe))
         if key not in self.source_collapses:
             self.source_collapses[key] = None
-            if start.kind != "config":
+            if start.kind != "config" and self.state.is_main_process:
                 pretrained = AutoModel.from_pretrained(self.model, dtype=torch.float32)
                 batch = {name: torch.tensor(values) for name, values in probe.items()}
                 self.source_collapses[key] = collapse_profile(model=pretrained, batches=[batch])
