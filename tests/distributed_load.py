@@ -1,7 +1,7 @@
-"""Loads the tied variant's healing models under `torchrun` on CPU with `fsdp`, samples its training texts from the
-teacher, and shards both models; each process writes to `FOLDER/rank-N.json` whether each model held its weights
-before sharding (parameters off the meta device), the sampled token ids, and its teacher's embeddings gathered whole
-after sharding.
+"""Loads the tied variant's healing models, and the variant as a comparison's fine-tuned model, under `torchrun` on
+CPU with `fsdp`, samples its training texts from the teacher, and shards both healing models; each process writes to
+`FOLDER/rank-N.json` whether each model held its weights before sharding (parameters off the meta device), the
+sampled token ids, and its teacher's embeddings gathered whole after sharding.
 
 Run by `tests/test_sharding.py`: with 2 processes only the main one reads the weights and samples, and the other
 trains on the same texts and weights; with 1 process (no sharding) it reads and samples as any unsharded healing."""
@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from hf_normswap.compare.variants import Start, build_model
 from hf_normswap.heal.data import heal_texts
 from hf_normswap.heal.models import load_models
 from hf_normswap.heal.options import HealOptions
-from hf_normswap.sharding.fsdp import gathered, prepare_frozen, prepare_trained, processes
+from hf_normswap.sharding.fsdp import gathered, loads_weights, prepare_frozen, prepare_trained, processes
 
 
 def holds_weights(model: torch.nn.Module) -> bool:
@@ -36,6 +37,8 @@ if __name__ == "__main__":
     texts = heal_texts(
         options=options, tokenizer=AutoTokenizer.from_pretrained(arguments.variant), teacher=models.teacher
     )
+    start, empty = Start(kind="converted", path=str(arguments.variant)), not loads_weights(options, trained=True)
+    loaded["compared"] = holds_weights(build_model(start, seed=0, num_labels=2, causal=True, empty=empty))
     prepare_trained(models.student, options)
     prepare_frozen(models.teacher, options)
     with gathered(models.teacher):

@@ -145,14 +145,15 @@ def test_an_fsdp_launch_of_one_process_shards(healed):
 
 
 def test_only_the_main_process_reads_the_weights(variants, tmp_path):
-    """Sharded, the main process alone reads the student's and the teacher's weights and samples the training texts
-    from the teacher; the other builds both models empty and takes its shards and the texts from the main one. Both
-    then hold what one unsharded process holds, exactly (the weights and texts are copied, not computed again)."""
+    """Sharded, the main process alone reads the student's and the teacher's weights (and a comparison's fine-tuned
+    model's) and samples the training texts from the teacher; the other builds the models empty and takes its shards
+    and the texts from the main one. Both then hold what one unsharded process holds, exactly (the weights and texts
+    are copied, not computed again)."""
     script, variant = TESTS / "distributed_load.py", variants / "tied" / "variant"
     main, other = records_by_rank(script, variant, processes=2, folder=tmp_path)
     (alone,) = records_by_rank(script, variant, processes=1, folder=tmp_path)
-    assert main["loaded"] == alone["loaded"] == {"student": True, "teacher": True}
-    assert other["loaded"] == {"student": False, "teacher": False}
+    assert main["loaded"] == alone["loaded"] == {"student": True, "teacher": True, "compared": True}
+    assert other["loaded"] == {"student": False, "teacher": False, "compared": False}
     # the student that accelerate's FSDP2 shards (on GPUs) too: it hands the main process's weights out itself
     accelerated = records_by_rank(ACCELERATE_ON_CPU, script, variant, processes=2, folder=tmp_path / "a", env=FSDP2)
     assert [record["loaded"] for record in accelerated] == [main["loaded"], other["loaded"]]

@@ -23,7 +23,7 @@ from transformers import (
 from ..model.packing import DataCollatorWithPacking
 from ..probes.collapse import collapse_profile
 from ..probes.diagnostics import DiagnosticsCallback
-from ..sharding.fsdp import RecordShardedOutputs, prepare_trained, trainer_arguments
+from ..sharding.fsdp import RecordShardedOutputs, loads_weights, prepare_trained, trainer_arguments
 from ..tasks import Task, unigram_loss
 from .experiment import Experiment, Variant
 from .metrics import load_metric
@@ -114,7 +114,8 @@ class Runner:
     def build(self, start: Start, seed: int) -> tuple[torch.nn.Module, list[float] | None]:
         """A run's model (see `build_model`) with the tokenizer's pad token, and Admin's residual weights as profiled
         on `first_batch` after the seeded initialisation for a configuration with Admin layers (else None)."""
-        model = build_model(start=start, seed=seed, num_labels=self.task.num_labels, causal=self.causal)
+        empty = not loads_weights(self.experiment, trained=True)  # sharded, the main process alone reads it
+        model = build_model(start=start, seed=seed, num_labels=self.task.num_labels, causal=self.causal, empty=empty)
         if model.config.pad_token_id is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return model, profile_admin_start(start, model, self.first_batch)

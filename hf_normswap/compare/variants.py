@@ -7,6 +7,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -147,12 +148,18 @@ def _healed(model: str, variant: Variant, task: Task, experiment: Experiment, ou
     return Start(kind="converted", path=str(folder), heal=summary)
 
 
-def build_model(start: Start, seed: int, num_labels: int, causal: bool) -> torch.nn.Module:
-    """The variant's model; a classification head is initialised from `seed` alone, the same for every variant."""
+def build_model(start: Start, seed: int, num_labels: int, causal: bool, empty: bool = False) -> torch.nn.Module:
+    """The variant's model; a classification head is initialised from `seed` alone, the same for every variant. With
+    `empty`, a checkpoint's model is built without reading it (its parameters on the meta device, its buffers built),
+    for sharding to hand it the main process's weights."""
     torch.manual_seed(seed)  # whatever the checkpoint lacks (pooler, head), or all of a config's weights
     if start.kind == "config":
         config = NormSwapConfig.from_dict(start.config)
         return NormSwapForCausalLM(config) if causal else NormSwapForSequenceClassification(config)
+    if empty:
+        config = AutoConfig.from_pretrained(start.path, **({} if causal else {"num_labels": num_labels}))
+        with init_empty_weights(include_buffers=False):
+            return (AutoModelForCausalLM if causal else AutoModelForSequenceClassification).from_config(config)
     if causal:
         return AutoModelForCausalLM.from_pretrained(start.path)
     model, loading = AutoModelForSequenceClassification.from_pretrained(
