@@ -183,6 +183,10 @@ def test_diagnostics_leave_no_gradient_under_accelerates_units(tmp_path, placeme
 def test_sharding_options_are_checked(variants, tmp_path, capsys):
     with pytest.raises(ShardingError, match="fsdp_config='fsdp.json' needs fsdp"):
         ShardingOptions(fsdp_config="fsdp.json")
+    (tmp_path / "list.json").write_text("[]")
+    for name, message in [("missing.json", "not a readable JSON file"), ("list.json", "holds list, not an object")]:
+        with pytest.raises(ShardingError, match=f"fsdp_config='{tmp_path / name}': {message}"):
+            ShardingOptions(fsdp=True, fsdp_config=str(tmp_path / name))
     arguments = ["heal", str(variants / "tied" / "variant"), str(tmp_path / "out"), "--fsdp", "--lora"]
     assert cli(arguments) == 1
     assert capsys.readouterr().err.strip().splitlines() == [

@@ -11,9 +11,7 @@ gradient reduction, which keeps the Trainer from wrapping it in DDP.
 
 import contextlib
 import itertools
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,7 +24,7 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from ..memory import release_freed_memory
 from ..model.evaluation_mode import evaluation_mode
-from .options import ShardingError, ShardingOptions
+from .options import ShardingOptions
 
 
 def processes() -> PartialState:
@@ -65,7 +63,7 @@ def loads_weights(options: ShardingOptions, trained: bool = False) -> bool:
     under an `fsdp_config` that turns `cpu_ram_efficient_loading` off."""
     if not sharded(options) or is_main_process():
         return True
-    reads_once = str(_fsdp_config(options).get("cpu_ram_efficient_loading", True)).lower() == "true"
+    reads_once = str(options.fsdp_config_fields().get("cpu_ram_efficient_loading", True)).lower() == "true"
     return trained and accelerate_shards() and not reads_once
 
 
@@ -173,12 +171,12 @@ def _give_storage(model: torch.nn.Module) -> None:
     written take no memory; the buffers, built, are kept."""
     given = {}
     for module in model.modules():
-        for name, parameter in module._parameters.items():
-            if parameter is not None and parameter.is_meta:
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if parameter.is_meta:
                 if id(parameter) not in given:  # a tied parameter once
                     storage = torch.empty_like(parameter, device="cpu")
                     given[id(parameter)] = torch.nn.Parameter(storage, requires_grad=parameter.requires_grad)
-                module._parameters[name] = given[id(parameter)]
+                setattr(module, name, given[id(parameter)])
 
 
 def prepare_frozen(model: torch.nn.Module, options: ShardingOptions) -> torch.nn.Module:
@@ -199,24 +197,14 @@ def trainer_arguments(options: ShardingOptions, model: torch.nn.Module) -> dict:
     `shard`) cannot be resumed by the Trainer, so it saves no checkpoints (`resumable`)."""
     arguments = {"bf16": options.bf16, "activation_checkpointing": options.activation_checkpointing}
     if sharded(options) and accelerate_shards():
-        config = _fsdp_config(options) or {"version": 2, "transformer_layer_cls_to_wrap": block_class_names(model)}
+        config = options.fsdp_config_fields() or {
+            "version": 2,
+            "transformer_layer_cls_to_wrap": block_class_names(model),
+        }
         arguments.update(fsdp=True, fsdp_config={"cpu_ram_efficient_loading": True, **config})
     elif not resumable(options):
         arguments.update(save_strategy="no")
     return arguments
-
-
-def _fsdp_config(options: ShardingOptions) -> dict:
-    """The Trainer's `fsdp_config` as the options' JSON file gives it ({} without one)."""
-    if options.fsdp_config is None:
-        return {}
-    try:
-        config = json.loads(Path(options.fsdp_config).read_text())
-    except (OSError, ValueError) as error:
-        raise ShardingError(f"fsdp_config={options.fsdp_config!r}: not a readable JSON file ({error})") from None
-    if not isinstance(config, dict):
-        raise ShardingError(f"fsdp_config={options.fsdp_config!r}: holds {type(config).__name__}, not an object")
-    return config
 
 
 def resumable(options: ShardingOptions) -> bool:

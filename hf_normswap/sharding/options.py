@@ -1,7 +1,9 @@
 """How a training is spread over the processes of a distributed launch: one declaration for heal's and compare's
 options, the experiment's keys and the checks."""
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class ShardingError(ValueError):
@@ -38,3 +40,16 @@ class ShardingOptions:
     def __post_init__(self):
         if self.fsdp_config is not None and not self.fsdp:
             raise ShardingError(f"fsdp_config={self.fsdp_config!r} needs fsdp: pass --fsdp too")
+        self.fsdp_config_fields()
+
+    def fsdp_config_fields(self) -> dict:
+        """The Trainer's `fsdp_config` as the `fsdp_config` JSON file gives it ({} without one)."""
+        if self.fsdp_config is None:
+            return {}
+        try:
+            fields = json.loads(Path(self.fsdp_config).read_text())
+        except (OSError, ValueError) as error:
+            raise ShardingError(f"fsdp_config={self.fsdp_config!r}: not a readable JSON file ({error})") from None
+        if not isinstance(fields, dict):
+            raise ShardingError(f"fsdp_config={self.fsdp_config!r}: holds {type(fields).__name__}, not an object")
+        return fields
