@@ -46,7 +46,7 @@ def test_loads_with_accelerate(name):
         "fsdp_reshard_after_forward": True,
         "fsdp_state_dict_type": "FULL_STATE_DICT",
         "fsdp_offload_params": offload,
-        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_cpu_ram_efficient_loading": False,
         "fsdp_activation_checkpointing": checkpointing,
     }
 
@@ -66,7 +66,7 @@ def test_launch_builds_an_fsdp2_plugin_wrapping_normswap_layers(name):
         "FULL_STATE_DICT",
     )
     assert (plugin.cpu_offload is not None and type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy") == offload
-    assert plugin.activation_checkpointing == checkpointing and plugin.cpu_ram_efficient_loading
+    assert plugin.activation_checkpointing == checkpointing
     model = NormSwapForCausalLM(tiny_config(is_causal=True, architectures=["NormSwapForCausalLM"]))
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     wrapped = [module for module in model.modules() if policy(module)]

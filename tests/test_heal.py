@@ -11,6 +11,7 @@ from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.compare.report import collapse_report_lines as report_lines
 from hf_normswap.compare.report import summarize_collapse as summarize_runs
+from hf_normswap.heal.options import HealError
 from hf_normswap.model import REMOTE_CODE_FILES
 from hf_normswap.model.modeling_normswap import AUTO_MAP
 from hf_normswap.probes.collapse import mean_pairwise_cosine
@@ -260,8 +261,8 @@ def test_packed_healing_is_padded_healing(tmp_path, objective):
 
 def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path, monkeypatch):
     """The student is measured as training begins and every step here (5 steps): a healing interrupted after the
-    checkpoint of step 3 resumes from it with the figures measured until then, and reports what an uninterrupted one
-    does (before, history and after) within 1e-5."""
+    checkpoint of step 3 resumes from it with the figures measured until then (kept beside the checkpoints), and
+    reports what an uninterrupted one does (before, history and after) within 1e-5."""
     from hf_normswap.heal import healing
 
     settings = dict(HEAL, max_steps=5, data=str(variant / "text.txt"), objective="hidden")
@@ -279,6 +280,13 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
     with pytest.raises(KeyboardInterrupt):
         heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
     monkeypatch.setattr(healing, "HealTrainer", original)
+    figures = tmp_path / "checkpoints" / "heal_probe.json"
+    kept = figures.read_text()
+    figures.unlink()  # as checkpoints of an older version: refused in one line, nothing written
+    with pytest.raises(HealError, match="resuming at step 3, but the figures measured before it"):
+        heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
+    assert not (tmp_path / "resumed").exists()
+    figures.write_text(kept)
     resumed = heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
     assert resumed["resumed"] and not whole["resumed"]
     assert resumed["before"] == whole["before"]  # measured once, before the interruption

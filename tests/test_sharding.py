@@ -16,7 +16,7 @@ import torch
 
 from hf_normswap import heal_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.sharding import ShardingOptions
+from hf_normswap.sharding import ShardingOptions, fsdp
 from hf_normswap.sharding.options import ShardingError
 
 from helpers import (
@@ -187,6 +187,9 @@ def test_sharding_options_are_checked(variants, tmp_path, capsys):
     for name, message in [("missing.json", "not a readable JSON file"), ("list.json", "holds list, not an object")]:
         with pytest.raises(ShardingError, match=f"fsdp_config='{tmp_path / name}': {message}"):
             ShardingOptions(fsdp=True, fsdp_config=str(tmp_path / name))
+    (tmp_path / "maybe.json").write_text(json.dumps({"cpu_ram_efficient_loading": "maybe"}))
+    with pytest.raises(ShardingError, match="cpu_ram_efficient_loading='maybe' is invalid: true or false"):
+        ShardingOptions(fsdp=True, fsdp_config=str(tmp_path / "maybe.json"))
     arguments = ["heal", str(variants / "tied" / "variant"), str(tmp_path / "out"), "--fsdp", "--lora"]
     assert cli(arguments) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
@@ -195,6 +198,31 @@ def test_sharding_options_are_checked(variants, tmp_path, capsys):
     assert cli([*arguments[:-1], "--max-steps", "2"]) == 1  # the causal default data: texts sampled as they go
     assert "needs sample_count" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_fsdp_config_decides_who_reads_the_trained_model(tmp_path, monkeypatch):
+    """Read as the Trainer reads it (an `fsdp_` prefix dropped, flags as accelerate parses them), the `fsdp_config`
+    file decides whether accelerate hands the trained model's weights out (by default it does), and so whether the
+    other processes read it; turned off against the launch's configuration, it is refused."""
+    cases = [
+        ({"version": 2}, True),
+        ({"fsdp_cpu_ram_efficient_loading": False}, False),
+        ({"cpu_ram_efficient_loading": 1}, True),
+    ]
+    monkeypatch.setattr(fsdp, "sharded", lambda options: True)
+    monkeypatch.setattr(fsdp, "is_main_process", lambda: False)
+    monkeypatch.setattr(fsdp, "accelerate_shards", lambda: True)
+    for index, (fields, once) in enumerate(cases):
+        (tmp_path / f"{index}.json").write_text(json.dumps(fields))
+        options = ShardingOptions(fsdp=True, fsdp_config=str(tmp_path / f"{index}.json"))
+        assert options.reads_trained_once() is once
+        assert fsdp.loads_weights(options, trained=True) is not once
+        assert fsdp.loads_weights(options) is False  # a teacher: sharded here, from the main process's copy
+        arguments = fsdp.trainer_arguments(options, model=None)
+        assert arguments["fsdp_config"]["cpu_ram_efficient_loading"] in (once, int(once))
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    with pytest.raises(ShardingError, match="turns cpu_ram_efficient_loading off, the launch's accelerate"):
+        fsdp.loads_weights(ShardingOptions(fsdp=True, fsdp_config=str(tmp_path / "1.json")), trained=True)
 
 
 def test_fsdp_in_one_process_heals_unsharded(variants, tmp_path):

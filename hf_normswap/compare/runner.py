@@ -23,7 +23,14 @@ from transformers import (
 from ..model.packing import DataCollatorWithPacking
 from ..probes.collapse import collapse_profile
 from ..probes.diagnostics import DiagnosticsCallback
-from ..sharding.fsdp import RecordShardedOutputs, loads_weights, prepare_trained, trainer_arguments
+from ..sharding.fsdp import (
+    RecordShardedOutputs,
+    loads_weights,
+    prepare_trained,
+    sharded,
+    take_main_dtypes,
+    trainer_arguments,
+)
 from ..tasks import Task, unigram_loss
 from .experiment import Experiment, Variant
 from .metrics import load_metric
@@ -116,6 +123,8 @@ class Runner:
         on `first_batch` after the seeded initialisation for a configuration with Admin layers (else None)."""
         empty = not loads_weights(self.experiment, trained=True)  # sharded, the main process alone reads it
         model = build_model(start=start, seed=seed, num_labels=self.task.num_labels, causal=self.causal, empty=empty)
+        if sharded(self.experiment) and start.kind != "config":
+            take_main_dtypes(model)
         if model.config.pad_token_id is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return model, profile_admin_start(start, model, self.first_batch)

@@ -180,7 +180,8 @@ def _train(
     models: HealModels, texts: HealTexts, options: HealOptions, callbacks: list, work: Path, quiet: bool
 ) -> tuple[list[dict], float, bool]:
     """Trains the student towards the teacher, resuming from a checkpoint in `checkpoint_dir` if there is one;
-    returns the Trainer's log, the seconds it trained and whether it resumed."""
+    returns the Trainer's log, the seconds it trained (the measurements along the way included, the first one too)
+    and whether it resumed."""
     trainer = HealTrainer(
         model=models.student,
         args=training_arguments(options=options, output_dir=work, quiet=quiet, student=models.student),

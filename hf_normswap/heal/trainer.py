@@ -14,13 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..model.packing import pack_padded, unpack
 from ..sharding.fsdp import RecordShardedOutputs, gathered, token_share, trainer_arguments
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure
-from .options import HealOptions
+from .options import HealError, HealOptions
 
 
 class HealTrainer(Trainer):
@@ -106,7 +105,8 @@ def training_arguments(
 class HealProbeCallback(TrainerCallback):
     """Measures the student on the held-out batches as the Trainer trains it (sharded, on its device): when training
     begins (`before`, and `head_figures(student)`: `head_before`), then every `every` steps before the last, for the
-    plot. Its figures go into every checkpoint and are read back when training resumes from one."""
+    plot. Whenever the Trainer saves a checkpoint, its figures go beside the checkpoints (`FILE`), and are read back
+    when training resumes from one."""
 
     FILE = "heal_probe.json"
 
@@ -123,9 +123,8 @@ class HealProbeCallback(TrainerCallback):
         self.before, self.head_before, self.history = None, None, []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if state.global_step > 0:  # resumed: the figures of the run interrupted
-            saved = json.loads((_checkpoint(args, state) / self.FILE).read_text())
-            self.before, self.head_before, self.history = saved["before"], saved["head_before"], saved["history"]
+        if state.global_step > 0:  # resumed: the figures measured until its checkpoint
+            self._read(Path(args.output_dir) / self.FILE, state.global_step)
             return
         with gathered(model, self.teacher):  # every process measures (a sharded student needs them all)
             self.before = measure(model, self.batches, self.teacher_states)
@@ -141,9 +140,16 @@ class HealProbeCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             figures = {"before": self.before, "head_before": self.head_before, "history": self.history}
-            (_checkpoint(args, state) / self.FILE).write_text(json.dumps(figures))
+            written = Path(args.output_dir) / f".{self.FILE}"
+            written.write_text(json.dumps(figures))
+            written.replace(Path(args.output_dir) / self.FILE)  # whole or not at all
 
-
-def _checkpoint(args: TrainingArguments, state) -> Path:
-    """The folder of the checkpoint the Trainer saves (or resumes from) at the state's step."""
-    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    def _read(self, file: Path, step: int) -> None:
+        if not file.exists():
+            raise HealError(
+                f"{file.parent}: resuming at step {step}, but the figures measured before it ({self.FILE}) are "
+                "missing (written by an older hf_normswap?); remove the folder to heal from the start"
+            )
+        saved = json.loads(file.read_text())
+        self.before, self.head_before = saved["before"], saved["head_before"]
+        self.history = [entry for entry in saved["history"] if entry["step"] <= step]

@@ -24,7 +24,7 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from ..memory import release_freed_memory
 from ..model.evaluation_mode import evaluation_mode
-from .options import ShardingOptions
+from .options import ShardingError, ShardingOptions
 
 
 def processes() -> PartialState:
@@ -63,8 +63,14 @@ def loads_weights(options: ShardingOptions, trained: bool = False) -> bool:
     under an `fsdp_config` that turns `cpu_ram_efficient_loading` off."""
     if not sharded(options) or is_main_process():
         return True
-    reads_once = str(options.fsdp_config_fields().get("cpu_ram_efficient_loading", True)).lower() == "true"
-    return trained and accelerate_shards() and not reads_once
+    if not (trained and accelerate_shards()) or options.reads_trained_once():
+        return False
+    if parse_flag_from_env("FSDP_CPU_RAM_EFFICIENT_LOADING"):  # Transformers would then load it only in part
+        raise ShardingError(
+            f"fsdp_config={options.fsdp_config!r} turns cpu_ram_efficient_loading off, the launch's accelerate "
+            "configuration on (fsdp_cpu_ram_efficient_loading): make them agree"
+        )
+    return True
 
 
 def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
@@ -99,6 +105,21 @@ def _take_main_weights(model: torch.nn.Module, whole: dict) -> None:
     set_model_state_dict(model, whole, options=broadcast)
     for buffer in model.buffers():  # those outside the state dict too (e.g. rotary frequencies)
         dist.broadcast(buffer, src=0)
+
+
+def take_main_dtypes(model: torch.nn.Module) -> None:
+    """Casts the parameters of `model` to the dtypes of the main process's copy (on the main process nothing
+    changes): a model built empty elsewhere takes the dtypes `from_pretrained` picked for the main process's, from
+    the checkpoint, which sharding copies into shards of its own dtypes. Every process must call it."""
+    parameters = list(model.named_parameters())
+    main = torch.tensor([DTYPES.index(parameter.dtype) for _, parameter in parameters]) if is_main_process() else None
+    codes = from_main_process(main, (len(parameters),))
+    for (name, parameter), code in zip(parameters, codes.tolist()):
+        if parameter.dtype != DTYPES[code]:
+            parameter.data = parameter.data.to(DTYPES[code])
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def from_main_process(tensor: torch.Tensor | None, shape: tuple, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -165,10 +186,11 @@ def prepare_trained(model: torch.nn.Module, options: ShardingOptions) -> torch.n
 
 
 def _give_storage(model: torch.nn.Module) -> None:
-    """Gives the parameters that `model` holds on the meta device (built empty) storage on the CPU, never written:
+    """Gives the parameters that `model` holds on the meta device (built empty) storage on the CPU, uninitialised:
     accelerate's FSDP2 tells parameters apart by their storage's address when it hands the optimizer the sharded ones
     (on the meta device all share address 0), then writes the main process's weights into the shards. Pages never
-    written take no memory; the buffers, built, are kept."""
+    written take no memory (under mixed precision accelerate writes a float32 copy of trainable parameters held in
+    another dtype); the buffers, built, are kept."""
     given = {}
     for module in model.modules():
         for name, parameter in list(module.named_parameters(recurse=False)):

@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accelerate.utils import str_to_bool
+
 
 class ShardingError(ValueError):
     """Sharding that cannot be done, said in one line."""
@@ -43,7 +45,8 @@ class ShardingOptions:
         self.fsdp_config_fields()
 
     def fsdp_config_fields(self) -> dict:
-        """The Trainer's `fsdp_config` as the `fsdp_config` JSON file gives it ({} without one)."""
+        """The Trainer's `fsdp_config` as the `fsdp_config` JSON file gives it ({} without one), its keys as the
+        Trainer reads them (an `fsdp_` prefix dropped)."""
         if self.fsdp_config is None:
             return {}
         try:
@@ -52,4 +55,17 @@ class ShardingOptions:
             raise ShardingError(f"fsdp_config={self.fsdp_config!r}: not a readable JSON file ({error})") from None
         if not isinstance(fields, dict):
             raise ShardingError(f"fsdp_config={self.fsdp_config!r}: holds {type(fields).__name__}, not an object")
+        fields = {key.removeprefix("fsdp_"): value for key, value in fields.items()}
+        try:
+            str_to_bool(str(fields.get("cpu_ram_efficient_loading", True)).lower())
+        except ValueError:
+            value = fields["cpu_ram_efficient_loading"]
+            raise ShardingError(
+                f"fsdp_config={self.fsdp_config!r}: cpu_ram_efficient_loading={value!r} is invalid: true or false"
+            ) from None
         return fields
+
+    def reads_trained_once(self) -> bool:
+        """Whether accelerate's FSDP2 hands the trained model's weights from the main process to the others
+        (`cpu_ram_efficient_loading`: on unless the `fsdp_config` file turns it off)."""
+        return bool(str_to_bool(str(self.fsdp_config_fields().get("cpu_ram_efficient_loading", True)).lower()))
