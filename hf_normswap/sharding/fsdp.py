@@ -111,10 +111,10 @@ def take_main_dtypes(model: torch.nn.Module) -> None:
     """Casts the parameters of `model` to the dtypes of the main process's copy (on the main process nothing
     changes): a model built empty elsewhere takes the dtypes `from_pretrained` picked for the main process's, from
     the checkpoint, which sharding copies into shards of its own dtypes. Every process must call it."""
-    parameters = list(model.named_parameters())
-    main = torch.tensor([DTYPES.index(parameter.dtype) for _, parameter in parameters]) if is_main_process() else None
+    parameters = list(model.parameters())
+    main = torch.tensor([DTYPES.index(parameter.dtype) for parameter in parameters]) if is_main_process() else None
     codes = from_main_process(main, (len(parameters),))
-    for (name, parameter), code in zip(parameters, codes.tolist()):
+    for parameter, code in zip(parameters, codes.tolist()):
         if parameter.dtype != DTYPES[code]:
             parameter.data = parameter.data.to(DTYPES[code])
 

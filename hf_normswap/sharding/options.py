@@ -46,7 +46,7 @@ class ShardingOptions:
 
     def fsdp_config_fields(self) -> dict:
         """The Trainer's `fsdp_config` as the `fsdp_config` JSON file gives it ({} without one), its keys as the
-        Trainer reads them (an `fsdp_` prefix dropped)."""
+        Trainer reads them (an `fsdp_` prefix dropped), `cpu_ram_efficient_loading` as a bool."""
         if self.fsdp_config is None:
             return {}
         try:
@@ -56,16 +56,17 @@ class ShardingOptions:
         if not isinstance(fields, dict):
             raise ShardingError(f"fsdp_config={self.fsdp_config!r}: holds {type(fields).__name__}, not an object")
         fields = {key.removeprefix("fsdp_"): value for key, value in fields.items()}
-        try:
-            str_to_bool(str(fields.get("cpu_ram_efficient_loading", True)).lower())
-        except ValueError:
+        if "cpu_ram_efficient_loading" in fields:
             value = fields["cpu_ram_efficient_loading"]
-            raise ShardingError(
-                f"fsdp_config={self.fsdp_config!r}: cpu_ram_efficient_loading={value!r} is invalid: true or false"
-            ) from None
+            try:
+                fields["cpu_ram_efficient_loading"] = bool(str_to_bool(str(value).lower()))
+            except ValueError:
+                raise ShardingError(
+                    f"fsdp_config={self.fsdp_config!r}: cpu_ram_efficient_loading={value!r} is invalid: true or false"
+                ) from None
         return fields
 
     def reads_trained_once(self) -> bool:
         """Whether accelerate's FSDP2 hands the trained model's weights from the main process to the others
         (`cpu_ram_efficient_loading`: on unless the `fsdp_config` file turns it off)."""
-        return bool(str_to_bool(str(self.fsdp_config_fields().get("cpu_ram_efficient_loading", True)).lower()))
+        return self.fsdp_config_fields().get("cpu_ram_efficient_loading", True)
