@@ -49,11 +49,11 @@ def launch(launcher: list[str], *arguments, cwd: Path) -> str:
     return process.stdout
 
 
-def accelerate_fsdp2(precision: str) -> tuple[list[str], int]:
-    """`accelerate launch` with the shipped FSDP2 configuration on every GPU (2 at most), in `precision`; and the
-    number of processes."""
+def accelerate_fsdp2(precision: str, config: str = "fsdp2_bf16") -> tuple[list[str], int]:
+    """`accelerate launch` with the shipped FSDP2 configuration `config` on every GPU (2 at most), in `precision`;
+    and the number of processes."""
     processes = min(2, torch.cuda.device_count())
-    launcher = ["accelerate.commands.launch", "--config_file", accelerate_config("fsdp2_bf16")]
+    launcher = ["accelerate.commands.launch", "--config_file", accelerate_config(config)]
     return [*launcher, "--num_processes", str(processes), "--mixed_precision", precision], processes
 
 
@@ -87,6 +87,18 @@ def test_bf16_under_fsdp2_follows_float32(healed, healing):
     weights, source = tensors(bf16), tensors(variants / healing.split("-")[0] / "variant")
     assert all(t.dtype == torch.float32 and t.isfinite().all() for t in weights.values())  # float32 masters saved
     assert max((weights[k] - source[k]).abs().max().item() for k in weights if "layers" in k) > 1e-3  # it trained
+
+
+def test_the_offload_configuration_heals_as_one_unsharded_process(healed):
+    """Under the CPU-offload configuration the student's shards stay on the CPU between uses and its units run on
+    the GPU: its measurements run where it computes."""
+    variants, per_device = healed
+    launcher, _ = accelerate_fsdp2("no", "fsdp2_bf16_offload")
+    script = TESTS / "distributed_heal.py"
+    launch(launcher, script, variants, variants / "offload.json", per_device, "--tag=-offload", cwd=variants)
+    for healing in HEALINGS:
+        offloaded = healed_folder(variants, healing, per_device, "-offload")
+        assert_same_healing(offloaded, healed_folder(variants, healing, 8))
 
 
 @pytest.mark.parametrize("record", ["fsdp.json", "fsdp-bf16.json", "plain.json"])

@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset, load_dataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
-from ..sharding.fsdp import from_main_process, loads_weights, sharded
+from ..sharding.fsdp import compute_device, from_main_process, loads_weights, sharded
 from ..tasks import GLUE_TASKS, load_task
 from .options import HealError, HealOptions
 
@@ -117,7 +117,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         self.teacher, self.start, self.pad, self.options = teacher, start, pad, options
 
     def __iter__(self):
-        options, device = self.options, self.teacher.device
+        options, device = self.options, compute_device(self.teacher)
         for batch in itertools.count():
             with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
                 torch.manual_seed(batch)

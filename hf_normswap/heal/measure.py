@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from ..model.evaluation_mode import evaluation_mode
 from ..probes.collapse import POOLINGS, boundary_states, collapse_of_states
 from ..probes.probe_data import mask_every_sixth, on_device
+from ..sharding.fsdp import compute_device
 from .losses import comparable
 
 
@@ -20,13 +21,13 @@ def teacher_states(teacher: torch.nn.Module, batches: list[dict]) -> list[tuple]
 def measure(student: torch.nn.Module, batches: list[dict], teacher_states: list[tuple]) -> list[dict]:
     """Per boundary, on the held-out batches: the student's mean token cosine to the teacher's states (as they are),
     the mean squared error of the comparable states, and the student's collapse figures."""
-    cosines, errors, states = [], [], []
+    cosines, errors, states, device = [], [], [], compute_device(student)
     with evaluation_mode(student):
         for batch, teacher in zip(batches, teacher_states):
             batch = on_device(batch, student)
             real = batch["attention_mask"].bool()
             student_states = boundary_states(student, batch)
-            teacher = [t.to(student.device) for t in teacher]
+            teacher = [t.to(device) for t in teacher]
             cosines.append(
                 torch.stack(
                     [
@@ -58,7 +59,7 @@ def masked_lm_loss(model: torch.nn.Module, batches: list[dict], tokenizer) -> fl
     with evaluation_mode(model):
         for batch in batches:
             batch = dict(batch)
-            labels = mask_every_sixth(batch, tokenizer).to(model.device)
+            labels = mask_every_sixth(batch, tokenizer).to(compute_device(model))
             batch = on_device(batch, model)
             losses.append(model(**batch, labels=labels).loss.item())
     return sum(losses) / len(losses)

@@ -7,7 +7,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..model.evaluation_mode import evaluation_mode
-from ..sharding.fsdp import gathered
+from ..sharding.fsdp import compute_device, gathered
 from .collapse import collapse_profile
 
 
@@ -104,5 +104,5 @@ class DiagnosticsCallback(TrainerCallback, ExportableState):
                 self.records[-1]["collapse"] = collapse_profile(model, [self._probe(model)])
 
     def _probe(self, model) -> dict:
-        device = next(model.parameters()).device
+        device = compute_device(model)
         return {name: torch.tensor(values, device=device) for name, values in self.probe.items()}

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.evaluation_mode import evaluation_mode
+from ..sharding.fsdp import compute_device
 from .probe_data import on_device
 
 
@@ -15,13 +16,11 @@ TOKENS = ("input_ids", "attention_mask")
 def next_token_agreement(source: torch.nn.Module, model: torch.nn.Module, batches: list[dict]) -> dict:
     """Over the real tokens of padded `batches`: the mean KL(source || model) of the next-token distributions in nats
     per token, and the fraction of tokens where both rank the same next token first."""
-    kl, agree, tokens = 0.0, 0, 0
+    kl, agree, tokens, device = 0.0, 0, 0, compute_device(model)
     with evaluation_mode(source), evaluation_mode(model):
         for batch in batches:
-            real = batch["attention_mask"].bool().to(model.device)
-            expected = F.log_softmax(
-                source(**on_device(batch, source, TOKENS)).logits.to(model.device)[real].float(), -1
-            )
+            real = batch["attention_mask"].bool().to(device)
+            expected = F.log_softmax(source(**on_device(batch, source, TOKENS)).logits.to(device)[real].float(), -1)
             given = F.log_softmax(model(**on_device(batch, model, TOKENS)).logits[real].float(), -1)
             kl += F.kl_div(given, expected, log_target=True, reduction="sum").item()
             agree += (given.argmax(-1) == expected.argmax(-1)).sum().item()

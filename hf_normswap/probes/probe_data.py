@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from ..sharding.fsdp import compute_device
 from ..tasks import DATA_DIR
 
 
@@ -71,5 +72,7 @@ def mask_every_sixth(batch: dict, tokenizer) -> torch.Tensor:
 
 
 def on_device(batch: dict, model: torch.nn.Module, keys: tuple[str, ...] | None = None) -> dict:
-    """`batch` (its `keys` only, where given) on `model`'s device: models compared may sit on different devices."""
-    return {key: value.to(model.device) for key, value in batch.items() if keys is None or key in keys}
+    """`batch` (its `keys` only, where given) on the device `model` runs on: models compared may sit on different
+    devices."""
+    device = compute_device(model)
+    return {key: value.to(device) for key, value in batch.items() if keys is None or key in keys}

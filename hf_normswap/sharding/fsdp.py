@@ -19,6 +19,7 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
@@ -40,6 +41,16 @@ def world_size() -> int:
 
 def is_main_process() -> bool:
     return processes().is_main_process
+
+
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """The device `model` runs on: its parameters', or where FSDP2 shards them, the device its units gather them on
+    (with CPU offload the shards stay on the CPU)."""
+    parameter = next(model.parameters())
+    if not isinstance(parameter, DTensor):
+        return parameter.device
+    kind = parameter.device_mesh.device_type
+    return torch.device(kind) if kind == "cpu" else torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 def accelerate_shards() -> bool:
@@ -142,7 +153,7 @@ def run_whole_once(model: torch.nn.Module) -> None:
     runs forward for the root, so that its submodules (`base_model`, a head) may run alone after. Every process must
     call it."""
     with torch.no_grad(), evaluation_mode(model):
-        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=compute_device(model)))
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
