@@ -20,8 +20,10 @@
 """
 
 import argparse
+import functools
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -56,12 +58,17 @@ def worker(record: str, command: list[str]) -> int:
     """Runs `command` (`plain SOURCE OUTPUT`, or the hf-normswap command line) and writes to `record` (a rank's
     suffix added under torchrun) its seconds, the peak resident memory after the imports and at the end, and the
     peak CUDA memory."""
-    from hf_normswap.cli import main as cli
-    from hf_normswap.memory import process_peak
+    if command[0] == "plain":  # without hf_normswap's imports (seconds); it resets no high-water mark
+        run = functools.partial(plain_load_and_save, Path(command[1]), Path(command[2]))
+        process_peak = plain_peak
+    else:
+        from hf_normswap.cli import main as cli
+        from hf_normswap.memory import process_peak
 
+        run = functools.partial(cli, command)
     imports = process_peak()
     started = time.perf_counter()
-    code = plain_load_and_save(Path(command[1]), Path(command[2])) if command[0] == "plain" else cli(command)
+    code = run()
     figures = {
         "seconds": time.perf_counter() - started,
         "imports_rss": imports,
@@ -71,6 +78,11 @@ def worker(record: str, command: list[str]) -> int:
     }
     Path(f"{record}.{os.environ.get('RANK', '0')}.json").write_text(json.dumps(figures))
     return code
+
+
+def plain_peak() -> int:
+    """The process's peak resident set size so far, in bytes, where nothing reset its high-water mark."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
 def plain_load_and_save(source: Path, output: Path) -> int:
