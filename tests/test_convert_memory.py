@@ -3,6 +3,7 @@ all the data, and memory that does not grow with the data), and conversion.json 
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -166,7 +167,12 @@ print(peak.mib)
 
 def calibration_peak(source: Path, converted: Path, size: int) -> float:
     """Calibration's peak memory in a fresh process, in MiB."""
-    env = {"PYTHONPATH": str(Path(__file__).parents[1]), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parents[1]),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     done = subprocess.run(
         [sys.executable, "-c", CALIBRATE, str(source), str(converted), str(size)],
         capture_output=True,

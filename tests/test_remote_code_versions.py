@@ -104,6 +104,7 @@ def load_in_clean_environment(folder, version, auto_class, *extra) -> dict:
         "HF_HUB_OFFLINE": "1",
         "HF_MODULES_CACHE": str(folder / "modules"),
         "HF_HOME": str(folder / "hf"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count())),  # a test worker's share (conftest)
     }
     process = subprocess.run(
         [CLEAN_PYTHONS[version], "-c", LOADER, str(folder), auto_class, *extra],
