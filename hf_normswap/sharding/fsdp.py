@@ -44,13 +44,10 @@ def is_main_process() -> bool:
 
 
 def compute_device(model: torch.nn.Module) -> torch.device:
-    """The device `model` runs on: its parameters', or where FSDP2 shards them, the device its units gather them on
-    (with CPU offload the shards stay on the CPU)."""
+    """The device `model` runs on: its parameters', or where FSDP2 shards them, this process's device, where its
+    units gather them (with CPU offload the shards stay on the CPU)."""
     parameter = next(model.parameters())
-    if not isinstance(parameter, DTensor):
-        return parameter.device
-    kind = parameter.device_mesh.device_type
-    return torch.device(kind) if kind == "cpu" else torch.device(kind, torch.get_device_module(kind).current_device())
+    return processes().device if isinstance(parameter, DTensor) else parameter.device
 
 
 def accelerate_shards() -> bool:
