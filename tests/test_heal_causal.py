@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationMixin
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.cli import main as cli
@@ -17,6 +17,7 @@ from hf_normswap.heal.data import teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
 from hf_normswap.hub.card import build_card
 from hf_normswap.model.heads import HEAD_CLASSES
+from hf_normswap.probes.next_token import greedy_agreement, greedy_continuation, greedy_prompts
 
 from helpers import save_source
 
@@ -179,6 +180,34 @@ def test_kl_healing_on_teacher_text(llama, schedule):
         assert after["kl"] < 0.85 * before["kl"]
     losses_logged = [entry["loss"] for entry in report["log_history"] if "loss" in entry]
     assert len(losses_logged) >= 4
+
+
+def test_greedy_agreement_with_a_continuation_generated_once(llama):
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post-shifted")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    batch = dict(tokenizer(["the cat sat on the mat", "a dog ran"], padding=True, return_tensors="pt"))
+    prompts = greedy_prompts([batch], tokenizer, length=4)
+    expected = greedy_continuation(teacher, prompts, new_tokens=6)
+    assert expected.shape == (2, 6)
+    assert greedy_agreement(expected, teacher, prompts) == 1.0
+    settings = dict(do_sample=False, min_new_tokens=6, max_new_tokens=6, pad_token_id=student.config.pad_token_id)
+    given = student.generate(**prompts, **settings)[:, prompts["input_ids"].shape[1] :]
+    assert greedy_agreement(expected, student, prompts) == (given == expected).float().mean().item()
+
+
+def test_a_healing_generates_the_teachers_continuation_once(llama, tmp_path, monkeypatch):
+    calls = []
+    generate = GenerationMixin.generate
+
+    def counted(model, *args, **kwargs):
+        calls.append(model.config.layer_norm_placements[0])  # the teacher is pre-LN, the student post-LN
+        return generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", counted)
+    options = {**HEAL, "max_steps": 2, "data": "sst2-sample"}
+    heal_checkpoint(str(llama / "post-shifted"), str(tmp_path / "healed"), **options)
+    assert sorted(calls) == ["post", "post", "pre"]  # the student before and after healing
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,14 @@ from collections.abc import Iterator, Sized
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from ..checkpoint import check_output, copy_companion_files, output_folder
 from ..model import copy_remote_code
 from ..model.heads import head_of_config
 from ..probes.collapse import collapse_of_states
-from ..probes.next_token import greedy_agreement, greedy_prompts, next_token_agreement
+from ..probes.next_token import greedy_agreement, greedy_continuation, greedy_prompts, next_token_agreement
 from ..sharding.fsdp import (
     gathered,
     is_main_process,
@@ -99,10 +100,12 @@ def _heal(
     every process, when sharded)."""
     with gathered(models.teacher):
         teacher = teacher_states(models.teacher, texts.held_out)
-    causal = head_of_config(models.student.config) == "causal-lm"
-    prompts = greedy_prompts(texts.held_out, tokenizer) if causal else None
+    greedy = None
+    if head_of_config(models.student.config) == "causal-lm":
+        prompts = greedy_prompts(texts.held_out, tokenizer)
+        greedy = prompts, greedy_continuation(models.teacher, prompts)  # the frozen teacher's, generated once
     head_figures = functools.partial(
-        _head_figures, models=models, batches=texts.held_out, tokenizer=tokenizer, prompts=prompts
+        _head_figures, models=models, batches=texts.held_out, tokenizer=tokenizer, greedy=greedy
     )
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
@@ -162,16 +165,19 @@ def _head_results(
     return masked_lm, next_token
 
 
-def _head_figures(student, *, models: HealModels, batches: list[dict], tokenizer, prompts: dict | None) -> dict:
+def _head_figures(
+    student, *, models: HealModels, batches: list[dict], tokenizer, greedy: tuple[dict, torch.Tensor] | None
+) -> dict:
     """The student's figures through its language-model head on the held-out `batches`: its masked-LM loss (with a
-    masked-LM head), or its next-token KL and top-1 agreement to the teacher and its greedy agreement from `prompts`
-    (with a causal-LM head)."""
+    masked-LM head), or its next-token KL and top-1 agreement to the teacher and its greedy agreement with the
+    teacher's continuation of the prompts (`greedy`: prompts, the teacher's tokens; with a causal-LM head)."""
     figures = {"masked_lm": None, "next_token": None}
     if models.masked_lm:
         figures["masked_lm"] = masked_lm_loss(student, batches, tokenizer)
-    if prompts is not None:
+    if greedy is not None:
+        prompts, expected = greedy
         figures["next_token"] = next_token_agreement(models.teacher, student, batches) | {
-            "greedy_agreement": greedy_agreement(models.teacher, student, prompts)
+            "greedy_agreement": greedy_agreement(expected, student, prompts)
         }
     return figures
 

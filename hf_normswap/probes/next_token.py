@@ -29,17 +29,22 @@ def next_token_agreement(source: torch.nn.Module, model: torch.nn.Module, batche
 
 
 @torch.no_grad()
-def greedy_agreement(source: torch.nn.Module, model: torch.nn.Module, prompts: dict, new_tokens: int = 32) -> float:
-    """The fraction of `new_tokens` greedy tokens that `model` generates as `source` does, position by position,
-    averaged over left-padded `prompts` (input_ids, attention_mask)."""
-    length = prompts["input_ids"].shape[1]
+def greedy_continuation(model: torch.nn.Module, prompts: dict, new_tokens: int = 32) -> torch.Tensor:
+    """The `new_tokens` tokens that `model` generates greedily after each of the left-padded `prompts` (input_ids,
+    attention_mask)."""
     settings = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
-    with evaluation_mode(source), evaluation_mode(model):
-        expected = source.generate(
-            **on_device(prompts, source, TOKENS), **settings, pad_token_id=source.config.pad_token_id
+    with evaluation_mode(model):
+        generated = model.generate(
+            **on_device(prompts, model, TOKENS), **settings, pad_token_id=model.config.pad_token_id
         )
-        given = model.generate(**on_device(prompts, model, TOKENS), **settings, pad_token_id=model.config.pad_token_id)
-    return (expected[:, length:].to(given.device) == given[:, length:]).float().mean().item()
+    return generated[:, prompts["input_ids"].shape[1] :]
+
+
+def greedy_agreement(expected: torch.Tensor, model: torch.nn.Module, prompts: dict) -> float:
+    """The fraction of a source's greedy tokens `expected` (its `greedy_continuation` of `prompts`) that `model`
+    generates too, position by position."""
+    given = greedy_continuation(model, prompts, new_tokens=expected.shape[1])
+    return (expected.to(given.device) == given).float().mean().item()
 
 
 def greedy_prompts(batches: list[dict], tokenizer, count: int = 32, length: int = 8) -> dict:
