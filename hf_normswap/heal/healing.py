@@ -12,7 +12,7 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict
 from pathlib import Path
 
@@ -100,13 +100,7 @@ def _heal(
     every process, when sharded)."""
     with gathered(models.teacher):
         teacher = teacher_states(models.teacher, texts.held_out)
-    greedy = None
-    if head_of_config(models.student.config) == "causal-lm":
-        prompts = greedy_prompts(texts.held_out, tokenizer)
-        greedy = prompts, greedy_continuation(models.teacher, prompts)  # the frozen teacher's, generated once
-    head_figures = functools.partial(
-        _head_figures, models=models, batches=texts.held_out, tokenizer=tokenizer, greedy=greedy
-    )
+    head_figures = _head_probe(models, texts, tokenizer)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
     callbacks = [probe]
@@ -163,6 +157,15 @@ def _head_results(
     if before["next_token"]:
         next_token = NextTokenAgreement(before=before["next_token"], after=after["next_token"])
     return masked_lm, next_token
+
+
+def _head_probe(models: HealModels, texts: HealTexts, tokenizer) -> Callable[[torch.nn.Module], dict]:
+    """`_head_figures` on the held-out batches; the frozen teacher's greedy continuation is generated once, here."""
+    greedy = None
+    if head_of_config(models.student.config) == "causal-lm":
+        prompts = greedy_prompts(texts.held_out, tokenizer)
+        greedy = prompts, greedy_continuation(models.teacher, prompts)
+    return functools.partial(_head_figures, models=models, batches=texts.held_out, tokenizer=tokenizer, greedy=greedy)
 
 
 def _head_figures(
