@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_normswap import NormSwapForSequenceClassification
 from hf_normswap.probes.diagnostics import DiagnosticsCallback
-from hf_normswap.sharding.fsdp import processes
+from hf_normswap.sharding.fsdp import end_processes, processes
 
 from helpers import padded_batch, tiny_config
 
@@ -44,16 +44,10 @@ def gradients(model: torch.nn.Module) -> dict[str, list]:
     return whole
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("placement")
-    parser.add_argument("folder", type=Path)
-    parser.add_argument("--shard", action="store_true")
-    arguments = parser.parse_args()
-    state = processes()
+def diagnose(placement: str, shard: bool) -> dict:
     torch.manual_seed(0)
-    model = NormSwapForSequenceClassification(tiny_config(norm_placement=arguments.placement, num_labels=2))
-    if arguments.shard:
+    model = NormSwapForSequenceClassification(tiny_config(norm_placement=placement, num_labels=2))
+    if shard:
         model = accelerate_sharded(model)
     input_ids, attention_mask = padded_batch()
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": torch.tensor([0, 1])}
@@ -64,5 +58,16 @@ if __name__ == "__main__":
     cleared = all(parameter.grad is None for parameter in model.parameters())
     model.train()
     model(**batch).loss.backward()
-    record = {"units": units, "resharded": resharded, "cleared": cleared, "gradients": gradients(model)}
-    (arguments.folder / f"rank-{state.process_index}.json").write_text(json.dumps(record))
+    return {"units": units, "resharded": resharded, "cleared": cleared, "gradients": gradients(model)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("placement")
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--shard", action="store_true")
+    arguments = parser.parse_args()
+    rank = processes().process_index
+    record = diagnose(arguments.placement, arguments.shard)
+    end_processes()
+    (arguments.folder / f"rank-{rank}.json").write_text(json.dumps(record))

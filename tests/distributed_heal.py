@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_normswap import heal_checkpoint
 from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.trainer import HealTrainer
+from hf_normswap.sharding.fsdp import end_processes
 
 from helpers import healed_folder
 
@@ -98,3 +99,4 @@ if __name__ == "__main__":
         results[healing] = list(teacher_record)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         record.write_text(json.dumps(results, indent=1))
+    end_processes()

@@ -20,6 +20,7 @@ from hf_normswap import (
     NormSwapForSequenceClassification,
     NormSwapForTokenClassification,
 )
+from hf_normswap.sharding.fsdp import end_processes
 
 from helpers import tiny_config
 
@@ -96,8 +97,6 @@ def losses(head: str, per_device: int) -> dict:
 if __name__ == "__main__":
     output, per_device = Path(sys.argv[1]), int(sys.argv[2])
     results = {head: losses(head, per_device) for head in HEADS}
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        if torch.distributed.get_rank() != 0:
-            sys.exit(0)
-    output.write_text(json.dumps(results, indent=1))
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        output.write_text(json.dumps(results, indent=1))
+    end_processes()

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers import DistributedConfig
 
 from hf_normswap import NormSwapForCausalLM, NormSwapForMaskedLM, NormSwapForSequenceClassification
+from hf_normswap.sharding.fsdp import end_processes
 
 from helpers import padded_batch, tiny_config
 
@@ -100,4 +101,4 @@ if __name__ == "__main__":
     dist.barrier()
     if dist.get_rank() == 0:
         output.write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    end_processes()

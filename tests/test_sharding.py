@@ -160,6 +160,18 @@ def test_only_the_main_process_reads_the_weights(variants, tmp_path):
     assert len(alone["texts"]) == 6 and {len(text) for text in alone["texts"]} == {5}
     assert main["texts"] == other["texts"] == alone["texts"]
     assert main["teacher_embeddings"] == other["teacher_embeddings"] == alone["teacher_embeddings"]
+    # the group is freed, its gloo workers joined, before the interpreter exits (one left freeing an all-gather's
+    # tensors there aborted the process: docs/experiments/scale.md, 2026-11-27)
+    assert [record["group_freed"] for record in [main, other, *accelerated, alone]] == [True] * 5
+
+
+def test_the_command_line_ends_the_launchs_process_group(variants, tmp_path):
+    """Once a sharded healing has run, `hf-normswap` has freed the launch's process group on every process, its gloo
+    workers joined before the interpreter exits (`end_processes`)."""
+    healing = ["heal", variants / "tied" / "variant", tmp_path / "healed", "--fsdp", "--data", variants / "text.txt"]
+    steps = ["--max-steps", "1", "--batch-size", "2", "--eval-size", "4"]
+    records = records_by_rank(TESTS / "distributed_cli.py", *healing, *steps, processes=2, folder=tmp_path)
+    assert records == [{"code": 0, "group_freed": True}] * 2
 
 
 @pytest.mark.parametrize("placement", ["post", "pre"])

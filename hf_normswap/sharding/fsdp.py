@@ -10,6 +10,7 @@ gradient reduction, which keeps the Trainer from wrapping it in DDP.
 """
 
 import contextlib
+import gc
 import itertools
 from collections.abc import Iterator
 
@@ -19,7 +20,7 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
 from transformers import TrainerCallback
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
@@ -32,6 +33,29 @@ def processes() -> PartialState:
     """The processes of the launch (torchrun or accelerate launch), their group started if it was not (gloo on
     CPU), as the Trainer starts it."""
     return PartialState(cpu=not torch.accelerator.is_available())
+
+
+def end_processes() -> None:
+    """Ends the launch's process group, if one was started, once the models sharded across it are freed: its gloo
+    workers are joined here, not left to the interpreter's exit, where one still freeing a finished collective's
+    tensors aborts the process ("terminate called without an active exception"). The CLI calls it after a command;
+    a script of your own calls it last, once its models are out of scope."""
+    if not dist.is_initialized():
+        return
+    _forget_device_meshes()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _forget_device_meshes() -> None:
+    """Empties torch's DTensor caches, whose entries hold device meshes, and the meshes the process group (torch
+    2.13's caches: where one is missing the rest stay, and the group may live on to the interpreter's exit)."""
+    with contextlib.suppress(AttributeError):
+        debug._clear_sharding_prop_cache()
+        DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+        _redistribute.clear_redistribute_planner_cache()
+        _redistribute._gen_transform_infos.cache_clear()
+        _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def world_size() -> int:
