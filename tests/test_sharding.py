@@ -248,16 +248,25 @@ def test_fsdp_in_one_process_heals_unsharded(variants, tmp_path):
 
 def test_sharded_comparison_equals_one_process(tmp_path):
     """`compare --fsdp` under 2 processes with 4 examples each trains and evaluates as 1 process with 8: sharded here,
-    and sharded by the Trainer through accelerate's FSDP2 plugin as on GPUs (its units, clipping and saving)."""
-    arguments = ["-m", "hf_normswap.cli", "compare", *comparison_arguments(tmp_path)]
+    and sharded by the Trainer through accelerate's FSDP2 plugin as on GPUs (its units, clipping and saving). Each
+    run prints its report once and ends with its process group freed on every process."""
+    compare = [TESTS / "distributed_cli.py", "compare", *comparison_arguments(tmp_path)]
     two = [*comparison_batch_arguments(4), "--fsdp"]
-    assert torchrun(*arguments, *two, "--output=two", processes=2, cwd=tmp_path).stdout.count("report:") == 1
-    accelerate = torchrun(
-        ACCELERATE_ON_CPU, *arguments, *two, "--output=accelerate", processes=2, cwd=tmp_path, env=FSDP2
-    )
-    assert accelerate.stdout.count("report:") == 1
-    # the reference under torchrun too: the Trainer shuffles through accelerate's sampler there, as with 2 processes
-    torchrun(*arguments, *comparison_batch_arguments(8), "--output=one", processes=1, cwd=tmp_path)
+    runs = {  # output: (launch, arguments, processes, environment)
+        "two": ([], two, 2, None),
+        "accelerate": ([ACCELERATE_ON_CPU], two, 2, FSDP2),
+        # the reference under torchrun too: the Trainer shuffles through accelerate's sampler, as with 2 processes
+        "one": ([], comparison_batch_arguments(8), 1, None),
+    }
+    for output, (launch, arguments, processes, env) in runs.items():
+        ranks = tmp_path / f"{output}-ranks"
+        ranks.mkdir()
+        run = torchrun(
+            *launch, *compare, *arguments, f"--output={output}", ranks, processes=processes, cwd=tmp_path, env=env
+        )
+        assert run.stdout.count("report:") == 1, output
+        ended = [json.loads((ranks / f"rank-{rank}.json").read_text()) for rank in range(processes)]
+        assert ended == [{"code": 0, "group_freed": True}] * processes, output
     assert_same_comparison(tmp_path / "two", tmp_path / "one")
     assert_same_comparison(tmp_path / "accelerate", tmp_path / "one")
 
