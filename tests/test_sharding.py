@@ -69,7 +69,12 @@ def records_by_rank(script: Path, *arguments, processes: int, folder: Path, env:
     output = folder / str(processes)
     output.mkdir(parents=True)
     torchrun(script, *arguments, output, processes=processes, cwd=folder, env=env)
-    return [json.loads((output / f"rank-{rank}.json").read_text()) for rank in range(processes)]
+    return rank_records(output, processes)
+
+
+def rank_records(folder: Path, processes: int) -> list[dict]:
+    """The `rank-N.json` records that each of `processes` processes wrote to `folder`, by rank."""
+    return [json.loads((folder / f"rank-{rank}.json").read_text()) for rank in range(processes)]
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +270,7 @@ def test_sharded_comparison_equals_one_process(tmp_path):
             *launch, *compare, *arguments, f"--output={output}", ranks, processes=processes, cwd=tmp_path, env=env
         )
         assert run.stdout.count("report:") == 1, output
-        ended = [json.loads((ranks / f"rank-{rank}.json").read_text()) for rank in range(processes)]
-        assert ended == [{"code": 0, "group_freed": True}] * processes, output
+        assert rank_records(ranks, processes) == [{"code": 0, "group_freed": True}] * processes, output
     assert_same_comparison(tmp_path / "two", tmp_path / "one")
     assert_same_comparison(tmp_path / "accelerate", tmp_path / "one")
 
