@@ -2,13 +2,16 @@
 
 from importlib.metadata import version
 
+from .model.configuration_normswap import NormSwapConfig, mix_ln_placement  # first: it checks the Transformers release
+
+
+# isort: split
 from transformers import AutoConfig
 
 from .convert import convert_checkpoint
 from .gguf import smollm2_gguf
 from .heal import heal_checkpoint
 from .model.admin import profile_admin
-from .model.configuration_normswap import NormSwapConfig, mix_ln_placement
 from .model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES
 from .model.modeling_normswap import (
     NormSwapForCausalLM,

@@ -138,6 +138,23 @@ def save_source(folder: Path, model_type: str, head_suffix: str, seed: int = 0, 
     return model
 
 
+MAX_SEQ_LENGTH = 24  # the tiny sources' model takes 64 positions
+
+
+def sentence_source(folder: Path, model_type: str, pooling: str) -> Path:
+    """A tiny sentence-transformers model (Transformer, Pooling, Normalize) saved by sentence-transformers itself."""
+    from sentence_transformers import SentenceTransformer, models
+
+    save_source(folder / "model", model_type, "Model")
+    transformer = models.Transformer(str(folder / "model"), max_seq_length=MAX_SEQ_LENGTH)
+    if transformer.tokenizer.pad_token is None:  # LLaMA-style: pad with EOS, as the converter would
+        transformer.tokenizer.pad_token = transformer.tokenizer.eos_token
+    dimension = transformer.auto_model.config.hidden_size
+    pipeline = SentenceTransformer(modules=[transformer, models.Pooling(dimension, pooling), models.Normalize()])
+    pipeline.save(str(folder / "source"))
+    return folder / "source"
+
+
 def tiny_config(**overrides) -> NormSwapConfig:
     """A NormSwap config small enough for fast CPU tests; dropout off so outputs are deterministic."""
     fields = dict(

@@ -1,6 +1,7 @@
 import pytest
 
 from hf_normswap import NormSwapConfig, mix_ln_placement
+from hf_normswap.model.configuration_normswap import check_transformers_release
 
 from helpers import tiny_config
 
@@ -119,3 +120,26 @@ def test_new_field_defaults_keep_existing_behaviour():
     assert tiny_config(classifier_pooling="mean").classifier_activation is None
     assert tiny_config(norm_placement="pre").embedding_norm is False
     assert tiny_config(norm_placement="pre", embedding_size=16).embedding_norm is True  # before the projection
+
+
+@pytest.mark.parametrize("version", ["4.57.1", "5.4.0", "5.0.0rc1", "6.0.0"])
+def test_an_unsupported_transformers_release_is_refused_in_one_line(version):
+    with pytest.raises(ImportError) as error:
+        check_transformers_release(version)
+    assert str(error.value) == (
+        f"NormSwap needs transformers>=5.5.0,<6, found {version}: pip install it in that range"
+    )
+
+
+@pytest.mark.parametrize("version", ["5.5.0", "5.15.1", "5.20.2", "5.24.0", "5.30.0.dev0"])
+def test_supported_transformers_releases_pass(version):
+    check_transformers_release(version)
+
+
+def test_the_base_class_may_assign_the_tensor_parallel_plan():
+    """Transformers 5.15 to 5.20 assign `base_model_tp_plan` in `PreTrainedConfig.__post_init__` (adding their
+    tied-embedding rule); the plan is the config's own, derived from its fields, and never serialized."""
+    config = tiny_config(qk_norm=True, tie_word_embeddings=True)
+    assert config.base_model_tp_plan["layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    assert "base_model_tp_plan" not in config.to_dict()

@@ -1,6 +1,8 @@
 """The package's shape: imports run one way between the sub-packages, modules and functions stay small."""
 
 import ast
+import importlib.metadata
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +109,24 @@ def test_the_command_line_imports_no_comparison_runner():
     code = "import sys, hf_normswap.cli; print(sorted({'evaluate', 'matplotlib'} & set(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+def test_everything_the_package_imports_is_declared():
+    """Each third-party module the package imports comes from a distribution that pyproject.toml declares, as a
+    dependency or in an extra (an optional feature's: GGUF files, LoRA, the demos)."""
+    declared = {
+        re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        for requirement in importlib.metadata.requires("hf-normswap")
+    }
+    distributions = importlib.metadata.packages_distributions()
+    undeclared = set()
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            for top in {name.split(".")[0] for name in names} - set(sys.stdlib_module_names) - {"hf_normswap"}:
+                providers = {name.lower().replace("_", "-") for name in distributions.get(top, [top])}
+                if not providers & declared:
+                    undeclared.add(f"{top} ({path.name})")
+    assert not undeclared, sorted(undeclared)

@@ -1,16 +1,22 @@
-"""Saved variants load, for every Auto class, in clean environments (torch and transformers only, Hub offline) with
-the oldest and the newest Transformers release hf_normswap supports. `.ci/run` builds those environments and names
-their interpreters in HF_NORMSWAP_CLEAN_PYTHONS ("VERSION=PYTHON" pairs, separated by os.pathsep)."""
+"""Saved variants load, as remote code, in clean environments (torch and transformers only, Hub offline) with every
+Transformers release hf_normswap supports: `.ci/run` builds one environment for the declared floor, the newest
+release and the latest patch of every minor release in between, and names their interpreters in
+HF_NORMSWAP_CLEAN_PYTHONS ("VERSION=PYTHON" pairs, separated by os.pathsep). Every head and family loads with the
+oldest and the newest; a causal LM, a sequence classifier and a sentence-transformers pipeline with every release.
+The package itself converts with the oldest release too (HF_NORMSWAP_PACKAGE_PYTHONS, the same pairs)."""
 
 import importlib.metadata
 import json
 import os
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from packaging.requirements import Requirement
 
 from hf_normswap import (
     DataCollatorWithPacking,
@@ -22,13 +28,24 @@ from hf_normswap import (
     NormSwapModel,
     convert_checkpoint,
 )
+from hf_normswap.model.configuration_normswap import TRANSFORMERS_REQUIREMENT
 
-from helpers import padded_batch, save_source, tiny_config
+from helpers import padded_batch, save_source, sentence_source, tensors, tiny_config
 
 
-CLEAN_PYTHONS = dict(
-    pair.split("=", 1) for pair in os.environ.get("HF_NORMSWAP_CLEAN_PYTHONS", "").split(os.pathsep) if pair
-)
+def _pythons(variable: str) -> dict[str, str]:
+    return dict(pair.split("=", 1) for pair in os.environ.get(variable, "").split(os.pathsep) if pair)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+CLEAN_PYTHONS = _pythons("HF_NORMSWAP_CLEAN_PYTHONS")
+PACKAGE_PYTHONS = _pythons("HF_NORMSWAP_PACKAGE_PYTHONS")
+RELEASES = sorted(CLEAN_PYTHONS, key=_release)
+EDGES = sorted({RELEASES[0], RELEASES[-1]}, key=_release) if RELEASES else []  # the oldest and the newest
+needs_ci = pytest.mark.skipif(not CLEAN_PYTHONS, reason="run through .ci/run, which builds the clean environments")
 HEADS = {
     "AutoModel": (NormSwapModel, {}),
     "AutoModelForMaskedLM": (NormSwapForMaskedLM, {}),
@@ -41,16 +58,19 @@ LOADER = r"""
 import importlib.util, json, sys
 import torch, transformers
 assert importlib.util.find_spec("hf_normswap") is None, "hf_normswap is importable in the clean environment"
-folder, auto_class = sys.argv[1], sys.argv[2]
-batch = torch.load(f"{folder}/batch.pt", weights_only=True)
-model = getattr(transformers, auto_class).from_pretrained(f"{folder}/model", trust_remote_code=True).eval()
-with torch.no_grad():
-    output = model(**batch)
-result = {"version": transformers.__version__, "class": type(model).__name__, "output": output[0].tolist()}
-if len(sys.argv) > 3:  # greedy tokens, the prompts left-padded
-    prompts = {name: tensor.flip(1) for name, tensor in batch.items()}
-    result["tokens"] = model.generate(**prompts, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
-print(json.dumps(result))
+results = []
+for task in json.loads(sys.argv[1]):  # each {"folder", "auto_class", "generate"}
+    folder = task["folder"]
+    batch = torch.load(f"{folder}/batch.pt", weights_only=True)
+    model = getattr(transformers, task["auto_class"]).from_pretrained(f"{folder}/model", trust_remote_code=True)
+    with torch.no_grad():
+        output = model.eval()(**batch)
+    result = {"version": transformers.__version__, "class": type(model).__name__, "output": output[0].tolist()}
+    if task["generate"]:  # greedy tokens, the prompts left-padded
+        prompts = {name: tensor.flip(1) for name, tensor in batch.items()}
+        result["tokens"] = model.generate(**prompts, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+    results.append(result)
+print(json.dumps(results))
 """
 
 
@@ -60,44 +80,38 @@ def supported_range() -> tuple[str, str]:
     return re.search(r">=\s*([\d.]+)", requirement).group(1), transformers.__version__
 
 
-def test_ci_provides_the_oldest_and_newest_supported_transformers():
-    if not CLEAN_PYTHONS:
-        pytest.skip("run through .ci/run, which builds the clean environments")
+def test_the_model_code_checks_the_declared_range():
+    requirement = next(r for r in importlib.metadata.requires("hf-normswap") if r.startswith("transformers"))
+    assert Requirement(requirement) == Requirement(TRANSFORMERS_REQUIREMENT)
+
+
+@needs_ci
+def test_ci_provides_every_minor_release_from_the_floor_to_the_newest():
     oldest, newest = supported_range()
-    assert set(CLEAN_PYTHONS) == {oldest, newest}
+    assert RELEASES[0] == oldest and RELEASES[-1] == newest
+    minors = {_release(version)[:2] for version in RELEASES}
+    assert minors == {(5, minor) for minor in range(_release(oldest)[1], _release(newest)[1] + 1)}
+    assert set(PACKAGE_PYTHONS) == {oldest}
 
 
 PACKED_HEADS = ["AutoModelForSequenceClassification", "AutoModelForQuestionAnswering", "AutoModelForCausalLM"]
 
 
-@pytest.mark.skipif(not CLEAN_PYTHONS, reason="run through .ci/run, which builds the clean environments")
-@pytest.mark.parametrize("version", sorted(CLEAN_PYTHONS))
-@pytest.mark.parametrize(
-    "auto_class, layout", [(head, "padded") for head in HEADS] + [(head, "packed") for head in PACKED_HEADS]
-)
-def test_variant_loads_in_a_clean_environment(tmp_path, version, auto_class, layout):
-    model_class, overrides = HEADS[auto_class]
-    config = tiny_config(
-        **{"norm_placement": "sandwich", "position_embedding_type": "rope", "norm_type": "rmsnorm", **overrides}
-    )
-    model = model_class(config).eval()
-    model.save_pretrained(tmp_path / "model")
-    input_ids, attention_mask = padded_batch()
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if layout == "packed":
-        batch = DataCollatorWithPacking()(
-            [{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
-        )
-    torch.save(batch, tmp_path / "batch.pt")
+def save_task(folder: Path, model, batch: dict, auto_class: str, generate: bool = False) -> dict:
+    """Saves `model` and `batch` under `folder` for the loader; returns its task and the outputs expected there."""
+    model.save_pretrained(folder / "model")
+    torch.save(batch, folder / "batch.pt")
     with torch.no_grad():
-        expected = model(**batch)[0]
+        expected = {"class": type(model).__name__, "output": model(**batch)[0]}
+    if generate:
+        prompts = {name: tensor.flip(1) for name, tensor in batch.items()}
+        expected["tokens"] = model.generate(**prompts, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+    return {"folder": str(folder), "auto_class": auto_class, "generate": generate}, expected
 
-    result = load_in_clean_environment(tmp_path, version, auto_class)
-    assert result["version"] == version and result["class"] == model_class.__name__
-    assert (torch.tensor(result["output"]) - expected).abs().max().item() <= 1e-6
 
-
-def load_in_clean_environment(folder, version, auto_class, *extra) -> dict:
+def load_in_clean_environment(version: str, *tasks: dict) -> list[dict]:
+    """What the clean environment of Transformers `version` computes for each `save_task` task, in one process."""
+    folder = Path(tasks[0]["folder"])
     env = {
         "PATH": os.environ["PATH"],
         "HOME": str(folder),
@@ -107,7 +121,7 @@ def load_in_clean_environment(folder, version, auto_class, *extra) -> dict:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count())),  # a test worker's share (conftest)
     }
     process = subprocess.run(
-        [CLEAN_PYTHONS[version], "-c", LOADER, str(folder), auto_class, *extra],
+        [CLEAN_PYTHONS[version], "-c", LOADER, json.dumps(tasks)],
         capture_output=True,
         text=True,
         env=env,
@@ -115,7 +129,39 @@ def load_in_clean_environment(folder, version, auto_class, *extra) -> dict:
         timeout=300,
     )
     assert process.returncode == 0, process.stderr[-3000:]
-    return json.loads(process.stdout.strip().splitlines()[-1])
+    results = json.loads(process.stdout.strip().splitlines()[-1])
+    assert all(result["version"] == version for result in results)
+    return results
+
+
+def assert_computes(result: dict, expected: dict, tolerance: float, real: torch.Tensor | None = None) -> None:
+    """The clean environment's `result` names the class, and gives the outputs (on the `real` tokens) and tokens
+    `expected`."""
+    assert result["class"] == expected["class"]
+    difference = torch.tensor(result["output"]) - expected["output"]
+    assert (difference if real is None else difference[real]).abs().max().item() <= tolerance
+    assert result.get("tokens") == expected.get("tokens")
+
+
+@needs_ci
+@pytest.mark.parametrize("version", EDGES)
+@pytest.mark.parametrize(
+    "auto_class, layout", [(head, "padded") for head in HEADS] + [(head, "packed") for head in PACKED_HEADS]
+)
+def test_variant_loads_in_a_clean_environment(tmp_path, version, auto_class, layout):
+    model_class, overrides = HEADS[auto_class]
+    config = tiny_config(
+        **{"norm_placement": "sandwich", "position_embedding_type": "rope", "norm_type": "rmsnorm", **overrides}
+    )
+    input_ids, attention_mask = padded_batch()
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if layout == "packed":
+        batch = DataCollatorWithPacking()(
+            [{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
+        )
+    task, expected = save_task(tmp_path, model_class(config).eval(), batch, auto_class)
+    (result,) = load_in_clean_environment(version, task)
+    assert_computes(result, expected, tolerance=1e-6)
 
 
 FAMILY_VARIANTS = {  # one converted variant of each causal family, swapped where that keeps it interesting
@@ -126,29 +172,29 @@ FAMILY_VARIANTS = {  # one converted variant of each causal family, swapped wher
 }
 
 
-@pytest.mark.skipif(not CLEAN_PYTHONS, reason="run through .ci/run, which builds the clean environments")
-@pytest.mark.parametrize("version", sorted(CLEAN_PYTHONS))
+def converted_causal_lm(folder: Path, model_type: str, suffix: str, **swap) -> NormSwapForCausalLM:
+    save_source(folder / "source", model_type, suffix, tokenizer=False)
+    convert_checkpoint(
+        str(folder / "source"), str(folder / "converted"), attention="causal", verify=False, log=lambda _: None, **swap
+    )
+    return NormSwapForCausalLM.from_pretrained(folder / "converted").eval()
+
+
+def family_batch() -> dict:
+    input_ids, attention_mask = padded_batch(vocab_size=64, lengths=(12, 7))
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@needs_ci
+@pytest.mark.parametrize("version", EDGES)
 @pytest.mark.parametrize("model_type", FAMILY_VARIANTS)
 def test_family_variant_loads_and_generates_in_a_clean_environment(tmp_path, version, model_type):
     suffix, swap = FAMILY_VARIANTS[model_type]
-    save_source(tmp_path / "source", model_type, suffix, tokenizer=False)
-    convert_checkpoint(
-        str(tmp_path / "source"), str(tmp_path / "model"), attention="causal", verify=False, log=lambda _: None, **swap
-    )
-    model = NormSwapForCausalLM.from_pretrained(tmp_path / "model").eval()
-    input_ids, attention_mask = padded_batch(vocab_size=64, lengths=(12, 7))
-    torch.save({"input_ids": input_ids, "attention_mask": attention_mask}, tmp_path / "batch.pt")
-    with torch.no_grad():
-        expected = model(input_ids, attention_mask=attention_mask).logits
-    tokens = model.generate(
-        input_ids.flip(1), attention_mask=attention_mask.flip(1), max_new_tokens=8, do_sample=False, pad_token_id=0
-    )
-
-    result = load_in_clean_environment(tmp_path, version, "AutoModelForCausalLM", "generate")
-    assert result["version"] == version and result["class"] == "NormSwapForCausalLM"
-    real = attention_mask.bool()
-    assert (torch.tensor(result["output"]) - expected)[real].abs().max().item() <= 1e-5
-    assert result["tokens"] == tokens.tolist()
+    batch = family_batch()
+    model = converted_causal_lm(tmp_path, model_type, suffix, **swap)
+    task, expected = save_task(tmp_path, model, batch, "AutoModelForCausalLM", generate=True)
+    (result,) = load_in_clean_environment(version, task)
+    assert_computes(result, expected, tolerance=1e-5, real=batch["attention_mask"].bool())
 
 
 ENCODER_FAMILY_VARIANTS = {  # one converted variant of each encoder family beyond BERT, with its most telling head
@@ -159,19 +205,65 @@ ENCODER_FAMILY_VARIANTS = {  # one converted variant of each encoder family beyo
 }
 
 
-@pytest.mark.skipif(not CLEAN_PYTHONS, reason="run through .ci/run, which builds the clean environments")
-@pytest.mark.parametrize("version", sorted(CLEAN_PYTHONS))
+@needs_ci
+@pytest.mark.parametrize("version", EDGES)
 @pytest.mark.parametrize("model_type", ENCODER_FAMILY_VARIANTS)
 def test_encoder_family_variant_loads_in_a_clean_environment(tmp_path, version, model_type):
     suffix, placement, auto_class = ENCODER_FAMILY_VARIANTS[model_type]
     save_source(tmp_path / "source", model_type, suffix, tokenizer=False)
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "model"), norm_placement=placement, log=lambda _: None)
-    model = getattr(transformers, auto_class).from_pretrained(tmp_path / "model").eval()
-    input_ids, attention_mask = padded_batch(vocab_size=64, lengths=(12, 7))
-    torch.save({"input_ids": input_ids, "attention_mask": attention_mask}, tmp_path / "batch.pt")
-    with torch.no_grad():
-        expected = model(input_ids, attention_mask=attention_mask)[0]
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement=placement, log=lambda _: None)
+    model = getattr(transformers, auto_class).from_pretrained(tmp_path / "out").eval()
+    task, expected = save_task(tmp_path, model, family_batch(), auto_class)
+    (result,) = load_in_clean_environment(version, task)
+    assert_computes(result, expected, tolerance=1e-6)
 
-    result = load_in_clean_environment(tmp_path, version, auto_class)
-    assert result["version"] == version and result["class"] == type(model).__name__
-    assert (torch.tensor(result["output"]) - expected).abs().max().item() <= 1e-6
+
+@pytest.fixture(scope="module")
+def every_release_tasks(tmp_path_factory):
+    """What every release loads: a LLaMA converted to post-LN (a causal LM that generates), a sequence classifier,
+    and the encoder of a sentence-transformers pipeline swapped to pre-LN; with the outputs expected."""
+    folder = tmp_path_factory.mktemp("every-release")
+    llama = converted_causal_lm(folder / "llama", "llama", "ForCausalLM", norm_placement="sandwich")
+    classifier = NormSwapForSequenceClassification(
+        tiny_config(norm_placement="pre", position_embedding_type="rope", norm_type="rmsnorm", num_labels=3)
+    )
+    source = sentence_source(folder / "sentence", "bert", "mean")
+    convert_checkpoint(str(source), str(folder / "sentence" / "variant"), norm_placement="pre", log=lambda _: None)
+    encoder = transformers.AutoModel.from_pretrained(folder / "sentence" / "variant", trust_remote_code=True)
+    input_ids, attention_mask = padded_batch(vocab_size=64, lengths=(12, 7))
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    return [
+        save_task(folder / "llama", llama, batch, "AutoModelForCausalLM", generate=True),
+        save_task(folder / "classifier", classifier.eval(), batch, "AutoModelForSequenceClassification"),
+        save_task(folder / "sentence", encoder.eval(), batch, "AutoModel"),
+    ], attention_mask.bool()
+
+
+@needs_ci
+@pytest.mark.parametrize("version", RELEASES)
+def test_every_supported_release_loads_a_causal_lm_a_classifier_and_a_sentence_pipeline(every_release_tasks, version):
+    tasks, real = every_release_tasks
+    results = load_in_clean_environment(version, *(task for task, _ in tasks))
+    for result, (_, expected) in zip(results, tasks, strict=True):
+        assert_computes(result, expected, tolerance=1e-5, real=real if result["class"].endswith("CausalLM") else None)
+
+
+@pytest.mark.skipif(not PACKAGE_PYTHONS, reason="run through .ci/run, which builds the oldest release's environment")
+@pytest.mark.parametrize("python", ["oldest", "newest"])
+def test_the_package_converts_with_the_oldest_and_newest_release(tmp_path, python):
+    """`hf-normswap convert` (a tiny LLaMA to post-LN, calibrated, verified) gives the same checkpoint whichever
+    supported Transformers release runs it."""
+    interpreter = PACKAGE_PYTHONS[RELEASES[0]] if python == "oldest" else sys.executable
+    save_source(tmp_path / "source", "llama", "ForCausalLM")
+    arguments = ["convert", str(tmp_path / "source"), str(tmp_path / python), "--norm-placement", "pre_post"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.run(
+        [interpreter, "-m", "hf_normswap.cli", *arguments], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    config = json.loads((tmp_path / python / "config.json").read_text())
+    assert config["transformers_version"] == (RELEASES[0] if python == "oldest" else transformers.__version__)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "here"), norm_placement="pre_post", log=lambda _: None)
+    written, expected = tensors(tmp_path / python), tensors(tmp_path / "here")
+    assert written.keys() == expected.keys()
+    assert max((written[name] - expected[name]).abs().max().item() for name in written) <= 1e-6

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from sentence_transformers import SentenceTransformer, models
+from sentence_transformers import SentenceTransformer
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.checkpoint import CheckpointError
@@ -13,23 +13,10 @@ from hf_normswap.convert import export_native
 from hf_normswap.hub.push import prepare_upload
 from hf_normswap.probes.probe_data import SENTENCES
 
-from helpers import save_source
+from helpers import MAX_SEQ_LENGTH, sentence_source
 
 
-MAX_SEQ_LENGTH = 24  # the tiny sources' model takes 64 positions
 PIPELINE = ["modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"]
-
-
-def sentence_source(folder, model_type: str, pooling: str):
-    """A tiny sentence-transformers model (Transformer, Pooling, Normalize) saved by sentence-transformers itself."""
-    save_source(folder / "model", model_type, "Model")
-    transformer = models.Transformer(str(folder / "model"), max_seq_length=MAX_SEQ_LENGTH)
-    if transformer.tokenizer.pad_token is None:  # LLaMA-style: pad with EOS, as the converter would
-        transformer.tokenizer.pad_token = transformer.tokenizer.eos_token
-    dimension = transformer.auto_model.config.hidden_size
-    pipeline = SentenceTransformer(modules=[transformer, models.Pooling(dimension, pooling), models.Normalize()])
-    pipeline.save(str(folder / "source"))
-    return folder / "source"
 
 
 def describe(model: SentenceTransformer) -> tuple:

@@ -89,16 +89,19 @@ def test_bf16_under_fsdp2_follows_float32(healed, healing):
     assert max((weights[k] - source[k]).abs().max().item() for k in weights if "layers" in k) > 1e-3  # it trained
 
 
-def test_the_offload_configuration_heals_as_one_unsharded_process(healed):
-    """Under the CPU-offload configuration the student's shards stay on the CPU between uses and its units run on
-    the GPU: its measurements run where it computes."""
+@pytest.mark.parametrize("config", ["fsdp2_bf16_checkpointing", "fsdp2_bf16_offload"])
+def test_the_other_shipped_configurations_heal_as_one_unsharded_process(healed, config):
+    """With activation checkpointing each layer recomputes its forward in the backward; under CPU offload the
+    student's shards stay on the CPU between uses and its units run on the GPU: its measurements and its greedy
+    generation run where it computes (`NormSwapPreTrainedModel.device`)."""
     variants, per_device = healed
-    launcher, _ = accelerate_fsdp2("no", "fsdp2_bf16_offload")
+    launcher, _ = accelerate_fsdp2("no", config)
     script = TESTS / "distributed_heal.py"
-    launch(launcher, script, variants, variants / "offload.json", per_device, "--tag=-offload", cwd=variants)
+    launch(launcher, script, variants, variants / f"{config}.json", per_device, f"--tag=-{config}", cwd=variants)
     for healing in HEALINGS:
-        offloaded = healed_folder(variants, healing, per_device, "-offload")
-        assert_same_healing(offloaded, healed_folder(variants, healing, 8))
+        assert_same_healing(
+            healed_folder(variants, healing, per_device, f"-{config}"), healed_folder(variants, healing, 8)
+        )
 
 
 @pytest.mark.parametrize("record", ["fsdp.json", "fsdp-bf16.json", "plain.json"])
@@ -115,10 +118,11 @@ def test_student_and_teacher_are_sharded_and_the_teacher_never_trains(healed, re
             assert step["teacher_gathered"] == (not launched), (name, step)
 
 
-def test_a_comparison_under_accelerate_fsdp2_equals_one_unsharded_process(tmp_path):
-    """`compare --fsdp` under accelerate's FSDP2 launch trains, heals and evaluates as one unsharded process."""
+@pytest.mark.parametrize("config", ["fsdp2_bf16", "fsdp2_bf16_checkpointing", "fsdp2_bf16_offload"])
+def test_a_comparison_under_accelerate_fsdp2_equals_one_unsharded_process(tmp_path, config):
+    """`compare --fsdp` under each shipped FSDP2 configuration trains, heals and evaluates as one unsharded process."""
     arguments = ["-m", "hf_normswap.cli", "compare", *comparison_arguments(tmp_path)]
-    launcher, processes = accelerate_fsdp2("no")
+    launcher, processes = accelerate_fsdp2("no", config)
     sharded = [*comparison_batch_arguments(8 // processes), "--fsdp", "--output=fsdp"]
     assert launch(launcher, *arguments, *sharded, cwd=tmp_path).count("report:") == 1
     launch(UNSHARDED, *arguments, *comparison_batch_arguments(8), "--output=plain", cwd=tmp_path)

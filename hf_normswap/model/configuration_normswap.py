@@ -1,11 +1,27 @@
 """NormSwap configuration: layer-norm placement, norm type and position scheme as fields."""
 
 import math
+import re
 
-from huggingface_hub.dataclasses import strict
-from transformers import PreTrainedConfig
-from transformers.activations import ACT2FN
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+import transformers
+
+
+TRANSFORMERS_REQUIREMENT = "transformers>=5.5.0,<6"  # as pyproject.toml declares
+
+
+def check_transformers_release(version: str = transformers.__version__) -> None:
+    """Refuses, in one line, a Transformers release outside `TRANSFORMERS_REQUIREMENT`."""
+    low, high = (tuple(map(int, bound.split("."))) for bound in re.findall(r"\d[\d.]*", TRANSFORMERS_REQUIREMENT))
+    if not low <= tuple(int(part) for part in re.findall(r"\d+", version)[:3]) < high:
+        raise ImportError(f"NormSwap needs {TRANSFORMERS_REQUIREMENT}, found {version}: pip install it in that range")
+
+
+check_transformers_release()
+
+from huggingface_hub.dataclasses import strict  # noqa: E402 (after the release check: 4.x lacks these names)
+from transformers import PreTrainedConfig  # noqa: E402
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters  # noqa: E402
 
 
 # Which of the three norm slots around a residual sublayer F a placement fills:
@@ -311,6 +327,7 @@ class NormSwapConfig(PreTrainedConfig):
         self._check_rope()
         if self.position_embedding_type != "rope":  # checked, but nothing reads them
             self.rope_parameters = None
+        self.base_model_tp_plan = self._tensor_parallel_plan()  # set after the base's: 5.15 to 5.20 assign it there
 
     @property
     def layer_norm_placements(self) -> list[str]:
@@ -319,12 +336,9 @@ class NormSwapConfig(PreTrainedConfig):
             return [self.norm_placement] * self.num_hidden_layers
         return list(self.norm_placement)
 
-    @property
-    def base_model_tp_plan(self) -> dict[str, str]:
-        """Transformers' tensor-parallel plan of `NormSwapModel`, in LLaMA's names: the token embeddings split over
-        the vocabulary, queries, keys and values (and the MLP's gate and up) column-wise, the output projections
-        row-wise. Where attention must see every head (ALiBi's slopes, q/k norms over the whole projection) the
-        projections gather their outputs, as OLMo 2's; q/k norms per head gather their gradients, as Qwen 3's."""
+    def _tensor_parallel_plan(self) -> dict[str, str]:
+        """`base_model_tp_plan`, LLaMA's split; projections gather their outputs where attention must see every head
+        (ALiBi, q/k norms over the projection: OLMo 2's), q/k norms per head gather their gradients (Qwen 3's)."""
         heads_split = self.position_embedding_type != "alibi" and not (self.qk_norm and self.qk_norm_scope != "head")
         attention = ("colwise", "rowwise") if heads_split else ("colwise_gather_output", "rowwise_split_input")
         plan = {"embeddings.word_embeddings": "embedding_rowwise"}

@@ -1,42 +1,22 @@
 """The model heads by name: NormSwap classes, Transformers' Auto classes, and source architectures."""
 
 import torch
+import transformers
 from accelerate import init_empty_weights
-from transformers import (
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
 
-from .modeling_normswap import (
-    NormSwapForCausalLM,
-    NormSwapForMaskedLM,
-    NormSwapForQuestionAnswering,
-    NormSwapForSequenceClassification,
-    NormSwapForTokenClassification,
-    NormSwapModel,
-)
+from .modeling_normswap import AUTO_CLASSES
 
 
-HEAD_CLASSES = {
-    "base": NormSwapModel,
-    "masked-lm": NormSwapForMaskedLM,
-    "sequence-classification": NormSwapForSequenceClassification,
-    "token-classification": NormSwapForTokenClassification,
-    "question-answering": NormSwapForQuestionAnswering,
-    "causal-lm": NormSwapForCausalLM,
+HEAD_AUTO_CLASSES = {  # each head's name and Auto class
+    "base": "AutoModel",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "causal-lm": "AutoModelForCausalLM",
 }
-NATIVE_AUTO_CLASSES = {
-    "base": AutoModel,
-    "masked-lm": AutoModelForMaskedLM,
-    "sequence-classification": AutoModelForSequenceClassification,
-    "token-classification": AutoModelForTokenClassification,
-    "question-answering": AutoModelForQuestionAnswering,
-    "causal-lm": AutoModelForCausalLM,
-}
+HEAD_CLASSES = {head: AUTO_CLASSES[auto_class] for head, auto_class in HEAD_AUTO_CLASSES.items()}
+NATIVE_AUTO_CLASSES = {head: getattr(transformers, auto_class) for head, auto_class in HEAD_AUTO_CLASSES.items()}
 _ARCHITECTURE_SUFFIXES = {
     "ForMaskedLM": "masked-lm",
     "ForPreTraining": "masked-lm",

@@ -1,4 +1,4 @@
-"""NormSwap: a Transformer encoder whose norm placement, norm type and position scheme come from its config."""
+"""NormSwap: a Transformer (encoder or causal LM) whose norm placement, norm type and positions are config fields."""
 
 import torch
 from torch import nn
@@ -50,16 +50,6 @@ from .positions_normswap import NormSwapRotaryEmbedding
 # The key/value cache's name in Transformers' forwards, mask builders and outputs: `past_key_values` before 5.24.
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
-AUTO_MAP = {
-    "AutoConfig": "configuration_normswap.NormSwapConfig",
-    "AutoModel": "modeling_normswap.NormSwapModel",
-    "AutoModelForMaskedLM": "modeling_normswap.NormSwapForMaskedLM",
-    "AutoModelForSequenceClassification": "modeling_normswap.NormSwapForSequenceClassification",
-    "AutoModelForTokenClassification": "modeling_normswap.NormSwapForTokenClassification",
-    "AutoModelForQuestionAnswering": "modeling_normswap.NormSwapForQuestionAnswering",
-    "AutoModelForCausalLM": "modeling_normswap.NormSwapForCausalLM",
-}
-
 
 class NormSwapPreTrainedModel(PreTrainedModel):
     config: NormSwapConfig
@@ -96,6 +86,14 @@ class NormSwapPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
             if module.bias is not None:
                 init.zeros_(module.bias)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes: where FSDP2 gathers sharded parameters, which may keep their shards on the CPU."""
+        mesh = getattr(next(self.parameters()), "device_mesh", None)  # a DTensor's
+        if mesh is None or mesh.device_type == "cpu":
+            return super().device
+        return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Saves as Transformers does, with an `auto_map` naming every Auto class for remote-code loading."""
@@ -174,18 +172,14 @@ class NormSwapModel(NormSwapPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: cache})
 
     def _attention_masks(self, inputs_embeds, attention_mask, cache, sequence_ids) -> dict:
-        """The attention-implementation-specific mask of each layer type, as Transformers' masking utilities build
-        it: causal or bidirectional, full or sliding-window, sized to the cache, and block-diagonal over the sequences
-        of a packed batch (a document mask for flex attention). A dict passes through as is."""
+        """Each layer type's mask, from Transformers' masking utilities: causal or bidirectional, full or sliding,
+        sized to the cache, block-diagonal over a packed batch's sequences. A dict passes through as is."""
         if isinstance(attention_mask, dict):
             return attention_mask
-        if self.config.position_embedding_type == "alibi" and self.config._attn_implementation not in (
-            "eager",
-            "sdpa",
-        ):
+        implementation = self.config._attn_implementation
+        if self.config.position_embedding_type == "alibi" and implementation not in ("eager", "sdpa"):
             raise ValueError(
-                "position_embedding_type='alibi' needs attn_implementation 'eager' or 'sdpa', "
-                f"got {self.config._attn_implementation!r}."
+                f"position_embedding_type='alibi' needs attn_implementation 'eager' or 'sdpa', not {implementation!r}"
             )
         mask_kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
         if sequence_ids is not None:
@@ -427,14 +421,18 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
         )
 
 
-for _model_class, _auto_class in (
-    (NormSwapModel, "AutoModel"),
-    (NormSwapForMaskedLM, "AutoModelForMaskedLM"),
-    (NormSwapForSequenceClassification, "AutoModelForSequenceClassification"),
-    (NormSwapForTokenClassification, "AutoModelForTokenClassification"),
-    (NormSwapForQuestionAnswering, "AutoModelForQuestionAnswering"),
-    (NormSwapForCausalLM, "AutoModelForCausalLM"),
-):
+AUTO_CLASSES = {  # the Auto class of each model class
+    "AutoModel": NormSwapModel,
+    "AutoModelForMaskedLM": NormSwapForMaskedLM,
+    "AutoModelForSequenceClassification": NormSwapForSequenceClassification,
+    "AutoModelForTokenClassification": NormSwapForTokenClassification,
+    "AutoModelForQuestionAnswering": NormSwapForQuestionAnswering,
+    "AutoModelForCausalLM": NormSwapForCausalLM,
+}
+AUTO_MAP = {"AutoConfig": "configuration_normswap.NormSwapConfig"} | {
+    auto_class: f"modeling_normswap.{model_class.__name__}" for auto_class, model_class in AUTO_CLASSES.items()
+}
+for _auto_class, _model_class in AUTO_CLASSES.items():
     _model_class.register_for_auto_class(_auto_class)
 
 __all__ = [
