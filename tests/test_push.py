@@ -7,12 +7,13 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from hf_normswap import convert_checkpoint
+from hf_normswap import NormSwapForSequenceClassification, convert_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.compare import Experiment, run_comparison
+from hf_normswap.hub.card import build_card
 from hf_normswap.model import REMOTE_CODE_FILES
 
-from helpers import save_source, tiny_task
+from helpers import save_source, tiny_config, tiny_task
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,17 @@ def test_card_without_comparison(tmp_path):
     assert "masked lm loss" in card.text
     assert "model.layers.1.mlp_norms.output_norm.weight (calibrated)" in card.text  # sandwich branch norms
     assert "model.layers.1.mlp_norms.input_norm" not in card.text  # taken from the source, not initialised
+
+
+def test_card_of_a_trainer_output_says_fine_tuned_and_claims_no_swap(tmp_path):
+    """A folder without conversion.json (a Trainer's output) is described as fine-tuned, with no swap limitation."""
+    NormSwapForSequenceClassification(tiny_config(norm_placement="pre", num_labels=2)).save_pretrained(
+        tmp_path / "run"
+    )
+    card, _ = build_card(tmp_path / "run", "me/run", base_model="me/bert", license="mit")
+    assert "A NormSwap model in a **pre** layer-norm arrangement (absolute positions" in card.text
+    assert "fine-tuned from `me/bert`" in card.text and "pretrained weights placed" not in card.text
+    assert "A swapped placement" not in card.text and "what it was converted from is not recorded" in card.text
 
 
 def test_push_goes_through_the_hub_client(comparison, monkeypatch):

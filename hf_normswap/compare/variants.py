@@ -2,7 +2,6 @@
 model built from there with the seed's classification head."""
 
 import dataclasses
-import json
 import zlib
 from pathlib import Path
 
@@ -12,8 +11,10 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from ..convert import convert_checkpoint
+from ..convert.converter import ConversionRecord
 from ..convert.families import family_of
 from ..heal import heal_checkpoint
+from ..heal.report import HealReport
 from ..model.admin import profile_admin
 from ..model.configuration_normswap import NormSwapConfig, mix_ln_placement
 from ..model.heads import head_of_config
@@ -82,7 +83,7 @@ def _head(experiment: Experiment, source_config) -> str:
 def _converted(model: str, placement, variant: Variant, experiment: Experiment, head: str, folder: Path) -> Start:
     """`model` converted to the variant's placement and position with `head`, once per output folder, as `convert`
     does."""
-    if not (folder / "conversion.json").exists():
+    if not (folder / ConversionRecord.FILE).exists():
         convert_checkpoint(
             source=model,
             output=str(folder),
@@ -130,7 +131,7 @@ def _healed(model: str, variant: Variant, task: Task, experiment: Experiment, ou
         model=model, variant=variant.converted, from_config=False, task=task, experiment=experiment, output=output
     )
     folder = output / "variants" / variant.start_folder
-    if not (folder / "heal.json").exists():
+    if not (folder / HealReport.FILE).exists():
         sharding = {name: getattr(experiment, name) for name in SHARDING_SETTINGS}
         resumable_healing = resumable(ShardingOptions(**sharding))
         heal_checkpoint(
@@ -142,7 +143,7 @@ def _healed(model: str, variant: Variant, task: Task, experiment: Experiment, ou
             log=None,
             **{"packing": experiment.packing, **(experiment.heal or {}), **sharding},
         )
-    record = json.loads((folder / "heal.json").read_text())
+    record = HealReport.read(folder)
     summary = {key: record.get(key) for key in HEAL_SUMMARY}  # a heal.json of an older version lacks some
     summary.update(before=record["before"][-1], after=record["after"][-1], data=record["data"]["name"])
     return Start(kind="converted", path=str(folder), heal=summary)

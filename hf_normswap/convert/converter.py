@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from ..checkpoint import TOKENIZER_FILES, check_output, copy_companion_files, output_folder
-from ..gguf import local_checkpoint
+from ..gguf import local_checkpoint, shipped_model
 from ..memory import available_memory, peak_memory, release_freed_memory
 from ..model import copy_remote_code
 from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers
@@ -93,15 +93,32 @@ class ConversionRecord:
     memory: MemoryRecord
     verification: Verification  # its fields sit at the top level of conversion.json
 
+    FILE = "conversion.json"
+
     def to_dict(self) -> dict:
         record = asdict(self)
         record.update(record.pop("verification"))
         return record
 
+    @staticmethod
+    def read(folder: str | Path) -> dict | None:
+        """FOLDER's conversion.json as written (`to_dict`, and a healing's `heal`), or None where it has none."""
+        path = Path(folder) / ConversionRecord.FILE
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ConversionError(f"{path}: not valid JSON ({error})") from None
+
+    @staticmethod
+    def write(folder: Path, record: dict) -> None:
+        (folder / ConversionRecord.FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
 
 def convert_checkpoint(source: str, output: str, *, overwrite: bool = False, log=print, **options) -> dict:
-    """Converts SOURCE (folder, Hub id or GGUF file) to a NormSwap checkpoint in OUTPUT and returns the conversion
-    report.
+    """Converts SOURCE (folder, Hub id, GGUF file, or a name of `gguf.SHIPPED_MODELS` such as `smollm2`) to a NormSwap
+    checkpoint in OUTPUT and returns the conversion report.
 
     `options` are the fields of `ConvertOptions`. `attention` defaults to bidirectional, or to the source's own for a
     NormSwap source. With `calibrate`, a swap that turns norms writing the residual stream into norms reading it has
@@ -110,6 +127,7 @@ def convert_checkpoint(source: str, output: str, *, overwrite: bool = False, log
     """
     options = ConvertOptions(**options)
     check_output(output=output, overwrite=overwrite)  # before a download
+    source = shipped_model(source)
     with local_checkpoint(source, log=log) as folder:
         plan = plan_conversion(source=folder, options=options)
         plan.source = source  # as given, also for a GGUF file
@@ -158,7 +176,7 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
             verification=verification,
             memory=memory,
         ).to_dict()
-        (staging / "conversion.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        ConversionRecord.write(staging, record)
     return record
 
 
@@ -289,14 +307,8 @@ def _notes(plan: ConversionPlan, weights: WeightsRecord) -> list[str]:
 
 def _lineage(folder: Path) -> list[dict]:
     """The reports of the steps that made a NormSwap source (`conversion.json` and its own lineage), oldest first."""
-    record = folder / "conversion.json"
-    if not record.exists():
-        return []
-    try:
-        earlier = json.loads(record.read_text())
-    except json.JSONDecodeError as error:
-        raise ConversionError(f"{record}: not valid JSON ({error})") from None
-    return [*earlier.pop("lineage", []), earlier]
+    earlier = ConversionRecord.read(folder)
+    return [*earlier.pop("lineage", []), earlier] if earlier is not None else []
 
 
 def _source_license(folder: Path) -> str | None:

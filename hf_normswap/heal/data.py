@@ -108,20 +108,23 @@ def _tokenize(rows: Dataset, columns: list[str], tokenizer, max_length: int, nam
     return encoded.remove_columns("special_tokens_mask")
 
 
+SAMPLED_TOGETHER = 32  # texts one seeded generation samples: what is sampled depends on no batch size or process count
+
+
 class TeacherSamples(torch.utils.data.IterableDataset):
     """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`, each started
-    from the token `start`, `batch_size` at a time; each batch seeded by its index (the global generator is left as it
-    was), so that no text repeats and a run can be reproduced."""
+    from the token `start`, `SAMPLED_TOGETHER` at a time; each group seeded by its index (the global generator is left
+    as it was), so that no text repeats and a run can be reproduced, whatever its batch size and process count."""
 
     def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions):
         self.teacher, self.start, self.pad, self.options = teacher, start, pad, options
 
     def __iter__(self):
         options, device = self.options, compute_device(self.teacher)
-        for batch in itertools.count():
+        for group in itertools.count():
             with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
-                torch.manual_seed(batch)
-                starts = torch.full((options.batch_size, 1), self.start, device=device)
+                torch.manual_seed(group)
+                starts = torch.full((SAMPLED_TOGETHER, 1), self.start, device=device)
                 ids = self.teacher.generate(
                     starts,
                     attention_mask=torch.ones_like(starts),

@@ -15,13 +15,13 @@ The gates open over the first half of the steps, all at once (`gate`) or one lay
 the first step (where the healing measures the student as it starts) they are open.
 """
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ..convert.converter import ConversionRecord
 from .options import HealError
 
 
@@ -98,8 +98,7 @@ class GradualSwap(TrainerCallback):
 
 def recorded_stream_rms(variant: Path, schedule: str) -> list[float]:
     """The source's stream RMS that a calibrated conversion out of pre-LN recorded in VARIANT's conversion.json."""
-    record = variant / "conversion.json"
-    calibration = json.loads(record.read_text()).get("calibration") if record.exists() else None
+    calibration = (ConversionRecord.read(variant) or {}).get("calibration")
     if not calibration or not calibration.get("stream_rms"):
         raise HealError(
             f"swap_schedule={schedule!r} needs a calibrated conversion out of pre-LN (post, pre_post or deepnorm); "

@@ -8,7 +8,6 @@ measured on all-MiniLM-L6-v2 (post -> pre): docs/experiments/healing.md.
 
 import contextlib
 import functools
-import json
 import shutil
 import tempfile
 import time
@@ -20,6 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ..checkpoint import check_output, copy_companion_files, output_folder
+from ..convert.converter import ConversionRecord
 from ..model import copy_remote_code
 from ..model.heads import head_of_config
 from ..probes.collapse import collapse_of_states
@@ -218,8 +218,7 @@ def _save(models: HealModels, source: Path, staging: Path, report: HealReport, m
     """The healed student (its adapters merged in, gathered whole from its shards) with its configured dropout
     (without the weights the variant initialises at load), its code, tokenizer and sentence-transformers modules,
     conversion.json (lineage included) with the healing added, heal.json and heal.png; by the main process."""
-    record = source / "conversion.json"
-    conversion = json.loads(record.read_text()) if record.exists() else None
+    conversion = ConversionRecord.read(source)
     at_load = set(conversion["weights"]["initialized_at_load"]) if conversion else set()
     student = unsharded(models.healed_student())  # every process joins the gather
     if not main:
@@ -231,6 +230,6 @@ def _save(models: HealModels, source: Path, staging: Path, report: HealReport, m
     copy_companion_files(source, staging)
     if conversion:
         conversion["heal"] = report.lineage()
-        (staging / "conversion.json").write_text(json.dumps(conversion, indent=2) + "\n")
-    (staging / "heal.json").write_text(json.dumps(asdict(report), indent=1) + "\n")
+        ConversionRecord.write(staging, conversion)
+    report.write(staging)
     plot_history(report, staging / "heal.png")

@@ -8,7 +8,6 @@ tokens. In bfloat16, the student's trainable norms stay in float32: bfloat16 spa
 so a norm weight's steps (about the learning rate) would round away (measured: they did not move at all).
 """
 
-import json
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,9 @@ import torch
 from transformers import AutoConfig
 
 from ..convert import ConversionError, load_unswapped
+from ..convert.converter import ConversionRecord
 from ..convert.families import normswap_config
-from ..gguf import is_gguf
+from ..gguf import is_gguf, shipped_model
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, empty_model, head_of_config
 from ..model.norms_normswap import NormSwapDyT, NormSwapRMSNorm
@@ -90,13 +90,14 @@ def memory_settings(options: HealOptions) -> dict:
 
 
 def resolve_teacher(variant: Path, teacher: str | None) -> str:
-    """The teacher: `teacher` if given, else the source named in the variant's conversion.json."""
+    """The teacher: `teacher` if given (a shipped model's name read as its file: `gguf.SHIPPED_MODELS`), else the
+    source named in the variant's conversion.json."""
     if teacher is not None:
-        return teacher
-    record = variant / "conversion.json"
-    if not record.exists():
+        return shipped_model(teacher)
+    record = ConversionRecord.read(variant)
+    if record is None:
         raise HealError(f"{variant}: no conversion.json naming its source; pass --teacher")
-    return json.loads(record.read_text())["source"]["id"]
+    return record["source"]["id"]
 
 
 def _load_student(folder: Path, options: HealOptions, empty: bool = False) -> tuple[torch.nn.Module, dict]:

@@ -48,8 +48,8 @@ class HealOptions(ShardingOptions):
     teacher: str | None = field(
         default=None,
         metadata={
-            "help": "folder or Hub id of a BERT-, LLaMA-family or NormSwap checkpoint; default: the source named in "
-            "VARIANT's conversion.json"
+            "help": "folder, Hub id or GGUF file of a supported or NormSwap checkpoint, or smollm2; default: the "
+            "source named in VARIANT's conversion.json"
         },
     )
     data: str | None = field(

@@ -1,5 +1,6 @@
 """What a healing records: heal.json (settings, held-out figures before and after, history) and its plot."""
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -74,6 +75,17 @@ class HealReport:
     lora: bool = False
     lora_rank: int | None = None  # with lora
     dtype: str = "float32"
+
+    FILE = "heal.json"
+
+    @staticmethod
+    def read(folder: str | Path) -> dict | None:
+        """FOLDER's heal.json as written (`write`), or None where it has none."""
+        path = Path(folder) / HealReport.FILE
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def write(self, folder: Path) -> None:
+        (folder / HealReport.FILE).write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     def lineage(self) -> dict:
         """The healing as conversion.json records it: the settings, and the final output's figures."""

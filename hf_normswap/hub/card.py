@@ -7,6 +7,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import AutoConfig
 
+from ..convert.converter import ConversionRecord
 from ..model.heads import NATIVE_AUTO_CLASSES, head_of_config
 from ..tasks import GLUE_TASKS
 
@@ -29,8 +30,8 @@ def template_path() -> Path:
 
 
 def _card_data(folder: Path, repo_id: str, config, head: str, base_model: str | None, license: str | None, datasets):
-    record = folder / "conversion.json"
-    conversion = json.loads(record.read_text()) if record.exists() else {}
+    record = folder / ConversionRecord.FILE
+    conversion = ConversionRecord.read(folder) or {}
     source = conversion.get("source", {})
     from_hub = source.get("revision") is not None  # a local source has no revision
     base_model = base_model or (source.get("id") if from_hub else None)
@@ -148,8 +149,9 @@ def _conversion_fields(conversion: dict) -> dict:
         measured_hidden=f"{measured.get('last_hidden_state_max_abs_diff', 0):.2e}",
         measured_logits=f"{logits:.2e}" if logits is not None else None,
         measured_mode=measured.get("mode"),
-        swapped=_swapped(swap) if swap else True,
+        swapped=_swapped(swap) if swap else False,
         swap_effect=_swap_effect_line(conversion),
+        healing=_healing_line(conversion.get("heal")),
         dropped=", ".join(weights.get("dropped", [])),
         initialized=", ".join(weights.get("initialized", [])),
         untrained=", ".join(f"`{name}`" for name in weights.get("initialized_at_load", [])),
@@ -173,7 +175,7 @@ def _swap_effect_line(conversion: dict) -> str | None:
     untrained = conversion.get("weights", {}).get("initialized_at_load")
     if untrained and effect["metric"] != "cosine_similarity":  # a loss through a random head
         return "No swap effect is reported: it could only be measured through the untrained head."
-    healed = " (before healing, see `heal.json`)" if conversion.get("heal") else ""
+    healed = " (before healing)" if conversion.get("heal") else ""
     moved = "kept the model (an exact swap)" if conversion.get("exact") else "moved the model"
     if effect["metric"] == "cosine_similarity":  # the last hidden states, against the unswapped model's
         return (
@@ -187,14 +189,26 @@ def _swap_effect_line(conversion: dict) -> str | None:
             f"; KL divergence of the next-token distributions from the unswapped model's {effect['kl']:.3f} nats "
             f"per token, top-1 agreement {effect['top1_agreement']:.3f}"
         )
-    healing = (conversion.get("heal") or {}).get("next_token")
-    if healing:
-        after = healing["after"]
+    return line + "."
+
+
+def _healing_line(heal: dict | None) -> str | None:
+    """What healing did, in one sentence: the final output's token cosine to the source before and after, and a
+    causal LM's next-token figures after (`heal.json` holds them all)."""
+    if not heal:
+        return None
+    line = (
+        f"Then healed (`hf-normswap heal`, objective {heal['objective']}, {heal['steps']} steps on {heal['data']}): "
+        f"token cosine of the final output to the source {heal['before']['token_cosine']:.4f} before, "
+        f"{heal['after']['token_cosine']:.4f} after"
+    )
+    if heal.get("next_token"):
+        after = heal["next_token"]["after"]
         line += (
-            f". After healing: KL {after['kl']:.3f} nats per token, top-1 agreement {after['top1_agreement']:.3f}, "
+            f"; after healing, KL {after['kl']:.3f} nats per token, top-1 agreement {after['top1_agreement']:.3f}, "
             f"greedy agreement {after['greedy_agreement']:.3f}"
         )
-    return line + "."
+    return line + " (`heal.json`, `heal.png`)."
 
 
 def _comparison_intro(results: dict, name: str) -> str:

@@ -41,7 +41,7 @@ def prepare_upload(folder: str | Path, repo_id: str, destination: Path, **card_o
     card, plots = build_card(folder, repo_id, **card_options)
     files = [path.name for path in weight_files(folder)]
     files += ["config.json", *REMOTE_CODE_FILES]
-    extras = (SAFE_WEIGHTS_INDEX_NAME, "conversion.json", "generation_config.json")
+    extras = (SAFE_WEIGHTS_INDEX_NAME, "conversion.json", "heal.json", "heal.png", "generation_config.json")
     files += [name for name in extras if (folder / name).exists()]
     files += companion_files(folder)  # tokenizer, sentence-transformers modules (some in module folders)
     for name in files:

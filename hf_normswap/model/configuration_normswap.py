@@ -158,8 +158,8 @@ _MODULE_CHECKS = (
 @strict
 class NormSwapConfig(PreTrainedConfig):
     r"""
-    Configuration of a [`NormSwapModel`]: a Transformer encoder whose layer-norm placement, norm type and position
-    scheme are fields. The defaults give a BERT-base shaped post-LN encoder.
+    Configuration of a [`NormSwapModel`]: a Transformer (an encoder, or a causal LM with `is_causal`) whose layer-norm
+    placement, norm type and position scheme are fields. The defaults give a BERT-base shaped post-LN encoder.
 
     norm_placement (`str` or `list[str]`, defaults to `"post"`):
         Where the norms sit around each residual sublayer F, for all layers or one value per layer (Mix-LN, see

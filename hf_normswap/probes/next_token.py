@@ -1,6 +1,8 @@
 """How far a causal LM is from its source as a language model: the KL divergence of their next-token distributions,
 how often their most likely next tokens agree, and how much of their greedy continuations agree."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -12,20 +14,28 @@ from .probe_data import on_device
 TOKENS = ("input_ids", "attention_mask")
 
 
+POSITION_BINS = {"0": (0, 1), "1": (1, 2), "2-3": (2, 4), "4-15": (4, 16), "16-63": (16, 64), "64+": (64, math.inf)}
+
+
 @torch.no_grad()
 def next_token_agreement(source: torch.nn.Module, model: torch.nn.Module, batches: list[dict]) -> dict:
     """Over the real tokens of padded `batches`: the mean KL(source || model) of the next-token distributions in nats
-    per token, and the fraction of tokens where both rank the same next token first."""
-    kl, agree, tokens, device = 0.0, 0, 0, compute_device(model)
+    per token, overall and by the token's position in its text (`POSITION_BINS` that hold tokens: where the distance
+    lives, the first tokens against the rest), and the fraction of tokens where both rank the same next token first."""
+    kl, positions, agree, device = [], [], 0, compute_device(model)
     with evaluation_mode(source), evaluation_mode(model):
         for batch in batches:
-            real = batch["attention_mask"].bool().to(device)
+            mask = batch["attention_mask"].to(device)
+            real = mask.bool()
             expected = F.log_softmax(source(**on_device(batch, source, TOKENS)).logits.to(device)[real].float(), -1)
             given = F.log_softmax(model(**on_device(batch, model, TOKENS)).logits[real].float(), -1)
-            kl += F.kl_div(given, expected, log_target=True, reduction="sum").item()
+            kl.append(F.kl_div(given, expected, log_target=True, reduction="none").sum(-1))
             agree += (given.argmax(-1) == expected.argmax(-1)).sum().item()
-            tokens += int(real.sum())
-    return {"kl": kl / tokens, "top1_agreement": agree / tokens}
+            positions.append((mask.cumsum(-1) - 1)[real])
+    kl, positions = torch.cat(kl), torch.cat(positions)
+    bins = {name: (positions >= start) & (positions < end) for name, (start, end) in POSITION_BINS.items()}
+    by_position = {name: kl[chosen].mean().item() for name, chosen in bins.items() if chosen.any()}
+    return {"kl": kl.mean().item(), "kl_by_position": by_position, "top1_agreement": agree / len(kl)}
 
 
 @torch.no_grad()
