@@ -213,11 +213,7 @@ def _run_heal(args) -> None:
 
 def _add_compare(commands) -> None:
     embedded = Experiment.from_file(DEFAULT_EXPERIMENT)
-    shown = {
-        field.name: ",".join(map(str, value)) if isinstance(value, list) else value
-        for field in dataclasses.fields(Experiment)
-        for value in [getattr(embedded, field.name)]
-    }
+    shown = {name: ",".join(map(str, v)) if isinstance(v, list) else v for name, v in vars(embedded).items()}
     parser = commands.add_parser(
         "compare",
         help="fine-tune variants through the Trainer and report",
