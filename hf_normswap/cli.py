@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"hf-normswap {args.command}: error: {message}", file=sys.stderr)
         return 1
-    from .sharding.fsdp import end_processes
+    from .sharding.processes import end_processes
 
     end_processes()  # under torchrun or accelerate launch
     return 0

@@ -19,8 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hf_normswap import NormSwapForSequenceClassification
-from hf_normswap.probes.diagnostics import DiagnosticsCallback
-from hf_normswap.sharding.fsdp import end_processes, processes
+from hf_normswap.compare.training_diagnostics import DiagnosticsCallback
+from hf_normswap.sharding.processes import end_processes, processes
 
 from helpers import padded_batch, tiny_config
 

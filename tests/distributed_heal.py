@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_normswap import heal_checkpoint
 from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.trainer import HealTrainer
-from hf_normswap.sharding.fsdp import end_processes
+from hf_normswap.sharding.processes import end_processes
 
 from helpers import healed_folder
 

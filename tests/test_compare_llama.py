@@ -19,15 +19,16 @@ HEAL = {"max_steps": 2, "batch_size": 4, "eval_size": 8, "sample_length": 8, "le
 
 @pytest.fixture(scope="module")
 def llama_comparison(tmp_path_factory):
-    """A tiny pre-LN LLaMA as pre, post+heal and pre_post+heal, fine-tuned with causal attention on a tiny task."""
+    """A tiny pre-LN LLaMA as pre, pre+heal (the control arm), post+heal and pre_post+heal, fine-tuned with causal
+    attention on a tiny task."""
     folder = tmp_path_factory.mktemp("llama")
     save_source(folder / "llama", "llama", "ForCausalLM")
     experiment = Experiment(
         model=str(folder / "llama"),
         task=str(tiny_task(folder / "task")),
         text_columns=["text"],
-        variants=["pre", "post+heal", "pre_post+heal"],
-        reference="pre",
+        variants=["pre", "pre+heal", "post+heal", "pre_post+heal"],
+        reference="pre+heal",
         attention="causal",
         seeds=1,
         max_steps=4,
@@ -43,8 +44,8 @@ def llama_comparison(tmp_path_factory):
 
 def test_causal_variants_train_as_last_token_classifiers(llama_comparison):
     output, document = llama_comparison
-    assert set(document["summary"]) == {"pre", "post+heal", "pre_post+heal"}
-    assert set(document["paired"]["variants"]) == {"post+heal", "pre_post+heal"}
+    assert set(document["summary"]) == {"pre", "pre+heal", "post+heal", "pre_post+heal"}
+    assert set(document["paired"]["variants"]) == {"pre", "post+heal", "pre_post+heal"}
     for run in document["runs"]:
         assert {"loss", "accuracy"} <= set(run["metrics"]), run["variant"]
         config = run["model_config"]
@@ -52,7 +53,7 @@ def test_causal_variants_train_as_last_token_classifiers(llama_comparison):
         assert config["pad_token_id"] == LLAMA_SPECIALS.index("</s>")  # no pad token: padded with the end token
         assert config["architectures"] == ["NormSwapForSequenceClassification"] and len(config["id2label"]) == 2
     placements = {run["variant"]: run["model_config"]["norm_placement"] for run in document["runs"]}
-    assert placements == {"pre": "pre", "post+heal": "post", "pre_post+heal": "pre_post"}
+    assert placements == {"pre": "pre", "pre+heal": "pre", "post+heal": "post", "pre_post+heal": "pre_post"}
     for name in ("pre", "post", "pre_post"):  # converted with the causal-LM head, which healing trains
         config = json.loads((output / "variants" / name / "config.json").read_text())
         assert config["architectures"] == ["NormSwapForCausalLM"] and config["is_causal"] is True
@@ -62,7 +63,8 @@ def test_healed_as_language_models(llama_comparison):
     output, document = llama_comparison
     report = (output / "report.md").read_text()
     assert "| next-token KL (nats per token) | top-1 agreement |" in report and ", causal attention" in report
-    for variant in ("post+heal", "pre_post+heal"):
+    records = {}
+    for variant in ("pre+heal", "post+heal", "pre_post+heal"):
         heal = document["summary"][variant]["heal"]
         record = json.loads((output / "variants" / variant / "heal.json").read_text())
         assert heal["objective"] == "kl" and heal["data"] == record["data"]["name"] and heal["steps"] == 2
@@ -70,7 +72,13 @@ def test_healed_as_language_models(llama_comparison):
         after = heal["next_token"]["after"]
         assert after["kl"] >= 0 and 0 <= after["top1_agreement"] <= 1
         assert f"| {variant} | kl, 2, 0.001 |" in report and f"{after['kl']:.4f} |" in report
+        records[variant] = record
     assert document["summary"]["pre"]["heal"] is None
+    # The control arm: pre healed with the same budget on the same text starts at the source.
+    settings = ("teacher", "data", "objective", "steps", "learning_rate", "batch_size", "max_length")
+    assert len({json.dumps([record[key] for key in settings]) for record in records.values()}) == 1
+    assert records["pre+heal"]["next_token"]["before"]["kl"] <= 1e-6
+    assert min(records["post+heal"]["next_token"]["before"]["kl_by_layer"]) > 0
 
 
 def test_healed_causal_lm_loads_as_a_classifier(llama_comparison):
@@ -86,8 +94,8 @@ def test_healed_causal_lm_loads_as_a_classifier(llama_comparison):
 def test_shipped_llama_experiment_validates():
     experiment = Experiment.from_file("llama")
     variants = experiment.validate()
-    assert [variant.spec for variant in variants] == ["pre", "post+heal", "pre_post+heal"]
-    assert experiment.model == "smollm2" and experiment.reference_variant == "pre"
+    assert [variant.spec for variant in variants] == ["pre", "pre+heal", "post+heal", "pre_post+heal"]
+    assert experiment.model == "smollm2" and experiment.reference_variant == "pre+heal"
     assert experiment.attention == experiment.conversion_attention == "causal"
     assert experiment.task == "sst2-sample" and experiment.task_type == "sequence-classification"
     assert {"max_steps", "eval_size"} <= set(experiment.heal)

@@ -623,3 +623,20 @@ def test_gpt2_with_special_ids_beyond_its_vocabulary_converts_exactly(tmp_path, 
     input_ids = torch.randint(0, 211, (1, 12), generator=torch.Generator().manual_seed(0))  # a classifier pads none
     with torch.no_grad():
         assert (native(input_ids)[0] - ours(input_ids)[0]).abs().max().item() <= 1e-4
+
+
+def test_a_tokenizer_config_without_its_class_gets_the_class_the_source_loads_as(tmp_path):
+    """A source that finds its tokenizer's class from its model type (older Hub BERTs name none) keeps that class in
+    NormSwap, whose model type names no tokenizer."""
+    save_source(tmp_path / "source", "bert", "Model")
+    path = tmp_path / "source" / "tokenizer_config.json"
+    fields = json.loads(path.read_text())
+    del fields["tokenizer_class"]
+    path.write_text(json.dumps(fields))
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
+    assert "tokenizer_config.json" in report["tokenizer"]["files"]
+    written = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert written == {**fields, "tokenizer_class": "BertTokenizer"}
+    source, converted = (AutoTokenizer.from_pretrained(tmp_path / name) for name in ("source", "out"))
+    assert type(converted) is type(source)
+    assert converted(SENTENCES)["input_ids"] == source(SENTENCES)["input_ids"]

@@ -12,7 +12,9 @@ from transformers import AutoTokenizer, GenerationMixin
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.convert import load_unswapped
+from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
+from hf_normswap.convert.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.heal import HealError, HealOptions, losses
 from hf_normswap.heal.data import teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
@@ -26,6 +28,7 @@ from hf_normswap.probes.next_token import (
     greedy_prompts,
     next_token_agreement,
 )
+from hf_normswap.probes.swap_effect import swap_batch
 
 from helpers import save_source
 
@@ -122,6 +125,26 @@ def test_gradual_swap_starts_at_the_source_and_ends_at_the_target(llama, placeme
     swap.remove()
 
 
+@pytest.mark.parametrize("placement", ["post", "deepnorm"])
+def test_kl_by_layer_swaps_each_layer_alone(llama, placement):
+    """conversion.json's swap effect gives, for each layer, the KL with that layer alone in the target placement:
+    what the stream mix computes with that layer's two gates open and every other closed (the source's function)."""
+    effect = ConversionRecord.read(llama / placement)["swap_effect"]
+    source = load_unswapped(str(llama / "llama"), head="causal-lm")
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / placement).eval()
+    batch = swap_batch(llama / placement, model.config.vocab_size)
+    stream_rms = recorded_stream_rms(llama / placement, "layers")
+    per_layer = kl_by_layer(source, model, stream_rms, [batch])
+    assert effect["kl_by_layer"] == pytest.approx(per_layer, rel=1e-4, abs=1e-7)
+    assert len(per_layer) == model.config.num_hidden_layers and min(per_layer) > 1e-4
+    with stream_mix(model, stream_rms) as mix:
+        mix.gates.zero_()  # every layer computes the source's function
+        assert next_token_agreement(source, model, [batch])["kl"] <= 1e-6
+        mix.gates[:2] = 1  # layer 0 alone swapped
+        assert next_token_agreement(source, model, [batch])["kl"] == pytest.approx(per_layer[0], rel=1e-4)
+    assert next_token_agreement(source, model, [batch])["kl"] == pytest.approx(effect["kl"], rel=1e-4)  # unhooked
+
+
 def test_chunked_kl_equals_the_whole(llama, monkeypatch):
     source = load_unswapped(str(llama / "llama"), head="causal-lm")
     student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
@@ -202,6 +225,9 @@ def test_kl_healing_on_teacher_text(llama, schedule):
     assert len(bins) >= 4 and bins == list(POSITION_BINS)[: len(bins)]
     if schedule == "direct":  # far from the source at the start: healing must bring it closer
         assert after["kl"] < 0.85 * before["kl"]
+        assert "kl_by_layer" not in before  # uncalibrated: no stream recorded to swap layers alone
+    else:  # each layer alone swapped, of the calibrated conversion as healing starts
+        assert len(before["kl_by_layer"]) == 2 and min(before["kl_by_layer"]) > 1e-4
     losses_logged = [entry["loss"] for entry in report["log_history"] if "loss" in entry]
     assert len(losses_logged) >= 4
 

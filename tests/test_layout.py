@@ -16,13 +16,14 @@ PACKAGE = Path(hf_normswap.__file__).parent
 # Each part may import the parts on its own level or below, never above.
 LEVELS = {
     "checkpoint": 0,
+    "devices": 0,
     "gguf": 0,
     "memory": 0,
     "tasks": 0,
     "model": 1,
     "probes": 2,
     "convert": 3,
-    "sharding": 2,
+    "sharding": 3,
     "heal": 4,
     "compare": 5,
     "hub": 6,

@@ -6,14 +6,12 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-from accelerate import PartialState
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from ..checkpoint import CheckpointError, read_tensors, weight_files
 from ..gguf import is_gguf, shipped_model, write_gguf_checkpoint
-from ..sharding.fsdp import world_size
+from ..sharding.processes import processes, world_size
 from ..tasks import Task, load_task
 from .experiment import Experiment, Variant
 from .report import write_report
@@ -63,7 +61,7 @@ def run_comparison(experiment: Experiment) -> dict | None:
     development split, and then runs every seed at the point that scored best there (validation is never used).
     """
     variants = experiment.validate()
-    state = PartialState(cpu=not torch.accelerator.is_available())  # CPU-only: gloo data parallel under torchrun
+    state = processes()
     model = source_model(experiment.model)
     from_config = model.endswith(".json")
     if not from_config:

@@ -5,6 +5,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..convert.stream_mix import largest_layers
 from ..probes.collapse import COLLAPSE_MARGIN, POOLINGS
 from ..tasks import Task
 from .experiment import Experiment
@@ -259,9 +260,12 @@ def _healing_lines(summary: dict) -> list[str]:
         "| variant | objective, steps, learning rate | seconds | token cosine to the source "
         "| first-token collapse (source) |"
         + (
-            " next-token KL (nats per token) | top-1 agreement | KL by position in the text, after |" if causal else ""
+            " next-token KL (nats per token) | top-1 agreement | KL by position in the text, after "
+            "| KL with one layer alone swapped, before |"
+            if causal
+            else ""
         ),
-        "|---|---|---|---|---|" + ("---|---|---|" if causal else ""),
+        "|---|---|---|---|---|" + ("---|---|---|---|" if causal else ""),
     ]
     for variant, heal in healed.items():
         before, after = heal["before"], heal["after"]
@@ -279,15 +283,17 @@ def _healing_lines(summary: dict) -> list[str]:
 
 
 def _next_token_cells(next_token: dict | None) -> str:
-    """A healed causal LM's next-token KL to the source and top-1 agreement with it, before → after, and its KL by
-    the token's position in the text after (`probes.next_token.POSITION_BINS`)."""
+    """A healed causal LM's next-token KL to the source and top-1 agreement with it, before → after, its KL by the
+    token's position in the text after (`probes.next_token.POSITION_BINS`), and the layers that lost the most alone
+    before (`convert.stream_mix.kl_by_layer`)."""
     if not next_token:
-        return " | | |"
+        return " | | | |"
     before, after = next_token["before"], next_token["after"]
     by_position = ", ".join(f"{bin}: {kl:.3f}" for bin, kl in after.get("kl_by_position", {}).items())
+    by_layer = largest_layers(before["kl_by_layer"]) if "kl_by_layer" in before else ""
     return (
         f" {before['kl']:.4f} → {after['kl']:.4f} | {before['top1_agreement']:.4f} → {after['top1_agreement']:.4f} "
-        f"| {by_position} |"
+        f"| {by_position} | {by_layer} |"
     )
 
 

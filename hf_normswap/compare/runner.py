@@ -22,7 +22,6 @@ from transformers import (
 
 from ..model.packing import DataCollatorWithPacking
 from ..probes.collapse import collapse_profile
-from ..probes.diagnostics import DiagnosticsCallback
 from ..sharding.fsdp import (
     RecordShardedOutputs,
     loads_weights,
@@ -34,6 +33,7 @@ from ..sharding.fsdp import (
 from ..tasks import Task, unigram_loss
 from .experiment import Experiment, Variant
 from .metrics import load_metric
+from .training_diagnostics import DiagnosticsCallback
 from .variants import Start, build_model, profile_admin_start
 
 

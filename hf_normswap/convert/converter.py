@@ -155,6 +155,7 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
                     compare_logits=plan.head != "base" and not weights.initialized_at_load,
                     log=log,
                     low_memory=low_memory,
+                    stream_rms=calibration.stream_rms if calibration else None,
                 )
             else:
                 verification = Verification()
@@ -197,17 +198,28 @@ def _write_tokenizer(plan: ConversionPlan, staging: Path) -> TokenizerRecord:
     copied = copy_companion_files(folder=folder, destination=staging, tokenizer=not resave)
     pipeline = [name for name in copied if name not in TOKENIZER_FILES]
     if not resave:
-        return TokenizerRecord(
-            files=[name for name in copied if name in TOKENIZER_FILES],
-            pad_token_added=None,
-            sentence_transformers=pipeline,
-        )
+        files = [name for name in copied if name in TOKENIZER_FILES]
+        if files:
+            _name_tokenizer_class(folder, staging)
+            files += [] if "tokenizer_config.json" in files else ["tokenizer_config.json"]
+        return TokenizerRecord(files=files, pad_token_added=None, sentence_transformers=pipeline)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     added = None
     if tokenizer.pad_token is None and (tokenizer.eos_token or tokenizer.unk_token):
         tokenizer.pad_token = added = tokenizer.eos_token or tokenizer.unk_token
     files = sorted(Path(name).name for name in tokenizer.save_pretrained(staging))
     return TokenizerRecord(files=files, pad_token_added=added, sentence_transformers=pipeline)
+
+
+def _name_tokenizer_class(source: Path, staging: Path) -> None:
+    """Writes the class the source's tokenizer loads as into the copied `tokenizer_config.json` where it names none:
+    `AutoTokenizer` finds the class of a source with a built-in `model_type` from that type, but a NormSwap folder's
+    type names no tokenizer, and without the key it would load a generic one."""
+    path = staging / "tokenizer_config.json"
+    fields = json.loads(path.read_text()) if path.exists() else {}
+    if "tokenizer_class" not in fields:
+        fields["tokenizer_class"] = type(AutoTokenizer.from_pretrained(source)).__name__.removesuffix("Fast")
+        path.write_text(json.dumps(fields, indent=2) + "\n")
 
 
 def _low_memory(plan: ConversionPlan, options: ConvertOptions, log) -> bool:

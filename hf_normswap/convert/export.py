@@ -1,198 +1,35 @@
 """Write a NormSwap checkpoint back as Transformers' own classes (BERT, LLaMA, GPT-2, Gemma 2/3, OLMo 2,
 ELECTRA, DistilBERT, ModernBERT), when its configuration allows.
 
-Whether it allows is read off a round trip: each target's native configuration is built from the NormSwap one and
-mapped back the way `convert` maps sources (`families.normswap_config`); a field that comes back different is one
-the native architecture cannot represent."""
+Whether it allows is read off a round trip: each target's native configuration is written from the NormSwap one by
+its `FieldTable` and read back the way `convert` reads sources (`families.normswap_config`); a field that comes back
+different is one the native architecture cannot represent."""
 
-import copy
 from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
-from transformers import (
-    AutoConfig,
-    BertConfig,
-    BertModel,
-    DistilBertConfig,
-    ElectraConfig,
-    Gemma2Config,
-    Gemma3TextConfig,
-    GPT2Config,
-    LlamaConfig,
-    ModernBertConfig,
-    Olmo2Config,
-)
+from transformers import AutoConfig, BertModel
 
 from ..checkpoint import copy_companion_files, output_folder, resolve_source
-from ..model.configuration_normswap import LAYER_TYPES, NormSwapConfig, rope_parameters_by_layer_type
+from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
+from .config_fields import GEMMA3_TEXT_FIELDS
 from .families import BERT, DISTILBERT, ELECTRA, GEMMA, GPT2, LLAMA, MODERNBERT, OLMO2, Family, normswap_config
+from .field_table import FieldTable
 from .options import ConversionError
 
 
-def _common(config: NormSwapConfig) -> dict:
-    return dict(
-        vocab_size=config.vocab_size,
-        initializer_range=config.initializer_range,
-        pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        tie_word_embeddings=config.tie_word_embeddings,
-        id2label=config.id2label,
-        label2id=config.label2id,
-        problem_type=config.problem_type,
-    )
-
-
-def _encoder_common(config: NormSwapConfig) -> dict:
-    """The shared fields that BERT-style configurations take: no bos / eos token ids."""
-    common = _common(config)
-    del common["bos_token_id"], common["eos_token_id"]
-    return common
-
-
-def _decoder(config: NormSwapConfig) -> dict:
-    """The fields LLaMA-style configurations share."""
-    return dict(
-        _common(config),
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.norm_eps,
-        rope_parameters=copy.deepcopy(config.rope_parameters),
-        attention_bias=config.attention_bias,
-        attention_dropout=config.attention_dropout,
-    )
-
-
-def _bert_config(config: NormSwapConfig, config_class=BertConfig, **extra):
-    common = _encoder_common(config)
-    return config_class(
-        **common,
-        **extra,
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size,
-        hidden_act=config.hidden_act,
-        hidden_dropout_prob=config.hidden_dropout,
-        attention_probs_dropout_prob=config.attention_dropout,
-        max_position_embeddings=config.max_position_embeddings,
-        type_vocab_size=config.type_vocab_size,
-        layer_norm_eps=config.norm_eps,
-        classifier_dropout=config.classifier_dropout,
-    )
-
-
-def _electra_config(config: NormSwapConfig):
-    return _bert_config(config, ElectraConfig, embedding_size=config.embedding_size)
-
-
-def _distilbert_config(config: NormSwapConfig):
-    common = _encoder_common(config)
-    return DistilBertConfig(
-        **common,
-        dim=config.hidden_size,
-        hidden_dim=config.intermediate_size,
-        n_layers=config.num_hidden_layers,
-        n_heads=config.num_attention_heads,
-        activation=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings,
-        dropout=config.hidden_dropout,
-        attention_dropout=config.attention_dropout,
-        seq_classif_dropout=config.hidden_dropout if config.classifier_dropout is None else config.classifier_dropout,
-    )
-
-
-def _modernbert_config(config: NormSwapConfig):
-    rope = config.layer_rope_parameters
-    window = config.sliding_window
-    return ModernBertConfig(
-        **_common(config),
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        hidden_activation=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings,
-        norm_eps=config.norm_eps,
-        norm_bias=config.norm_bias,
-        attention_bias=config.attention_bias,
-        attention_dropout=config.attention_dropout,
-        layer_types=list(config.layer_types),
-        rope_parameters={kind: dict(rope.get(kind) or next(iter(rope.values()))) for kind in LAYER_TYPES},
-        **({"local_attention": 2 * window} if window else {}),  # ModernBERT's window counts both sides
-        embedding_dropout=config.hidden_dropout,
-        mlp_dropout=config.hidden_dropout,
-        mlp_bias=config.mlp_bias,
-        decoder_bias=config.decoder_bias,
-        classifier_pooling=config.classifier_pooling,
-        classifier_dropout=config.hidden_dropout if config.classifier_dropout is None else config.classifier_dropout,
-        classifier_bias=config.head_dense_bias,
-        classifier_activation=config.classifier_activation,
-    )
-
-
-def _llama_config(config: NormSwapConfig):
-    return LlamaConfig(
-        **_decoder(config), head_dim=config.head_dim, hidden_act=config.hidden_act, mlp_bias=config.mlp_bias
-    )
-
-
-def _gpt2_config(config: NormSwapConfig):
-    return GPT2Config(
-        **_common(config),
-        n_embd=config.hidden_size,
-        n_inner=config.intermediate_size,
-        n_layer=config.num_hidden_layers,
-        n_head=config.num_attention_heads,
-        n_positions=config.max_position_embeddings,
-        activation_function=config.hidden_act,
-        layer_norm_epsilon=config.norm_eps,
-        resid_pdrop=config.hidden_dropout,
-        embd_pdrop=config.hidden_dropout,
-        attn_pdrop=config.attention_dropout,
-        scale_attn_weights=config.query_pre_attn_scalar is None,
-    )
-
-
-def _gemma_config(config_class):
-    def build(config: NormSwapConfig):
-        rope = config.rope_parameters
-        if config_class is Gemma3TextConfig and not rope_parameters_by_layer_type(rope):
-            rope = dict.fromkeys(("full_attention", "sliding_attention"), rope)
-        return config_class(
-            **dict(_decoder(config), rope_parameters=copy.deepcopy(rope)),
-            head_dim=config.head_dim,
-            hidden_activation=config.hidden_act,
-            query_pre_attn_scalar=int(config.query_pre_attn_scalar or config.head_dim),
-            layer_types=list(config.layer_types),
-            sliding_window=config.sliding_window,
-            attn_logit_softcapping=config.attn_logit_softcapping,
-            final_logit_softcapping=config.final_logit_softcapping,
-        )
-
-    return build
-
-
-def _olmo2_config(config: NormSwapConfig):
-    return Olmo2Config(**_decoder(config), hidden_act=config.hidden_act)
-
-
-# The native architectures a NormSwap configuration can be written as: family (names) and configuration builder.
+# The native architectures a NormSwap configuration can be written as: family (names) and field table (configuration).
 TARGETS = (
-    (BERT, _bert_config),
-    (LLAMA, _llama_config),
-    (GPT2, _gpt2_config),
-    (GEMMA, _gemma_config(Gemma2Config)),
-    (GEMMA, _gemma_config(Gemma3TextConfig)),
-    (OLMO2, _olmo2_config),
-    (ELECTRA, _electra_config),
-    (DISTILBERT, _distilbert_config),
-    (MODERNBERT, _modernbert_config),
+    (BERT, BERT.fields),
+    (LLAMA, LLAMA.fields),
+    (GPT2, GPT2.fields),
+    (GEMMA, GEMMA.fields),
+    (GEMMA, GEMMA3_TEXT_FIELDS),
+    (OLMO2, OLMO2.fields),
+    (ELECTRA, ELECTRA.fields),
+    (DISTILBERT, DISTILBERT.fields),
+    (MODERNBERT, MODERNBERT.fields),
 )
 
 # Fields that do not change what a model computes (initialisation, dropout, labels, token ids, file metadata): left
@@ -215,11 +52,11 @@ _IGNORED_FIELDS = {
 }
 
 
-def _blockers(config: NormSwapConfig, build) -> list[str]:
-    """The fields of `config` that the native configuration built from it reads back differently (FIELD=VALUE
-    (needs WANTED)), or the builder's own refusal."""
+def _blockers(config: NormSwapConfig, fields: FieldTable) -> list[str]:
+    """The fields of `config` that the native configuration written from it reads back differently (FIELD=VALUE
+    (needs WANTED)), or the native configuration's own refusal."""
     try:
-        round_trip = normswap_config(build(config)).to_dict()
+        round_trip = normswap_config(fields.native_config(config)).to_dict()
     except (ValueError, TypeError, StrictDataclassError) as error:
         return [" ".join(str(error).split())]
     ignored = set(_IGNORED_FIELDS)
@@ -236,15 +73,15 @@ def native_config(config: NormSwapConfig, head: str) -> tuple[Family, object]:
     """The family and Transformers configuration that compute what `config` computes, or a ConversionError naming why
     not (the blocking fields of the closest native architecture)."""
     candidates = []
-    for family, build in TARGETS:
-        blockers = _blockers(config, build)
+    for family, fields in TARGETS:
+        blockers = _blockers(config, fields)
         if not blockers and head not in family.heads:
             blockers = [f"head {head!r} (the {family.name} export has {', '.join(family.heads)})"]
-        candidates.append((len(blockers), family, blockers, build))
-    _, family, blockers, build = min(candidates, key=lambda candidate: candidate[0])
+        candidates.append((len(blockers), family, blockers, fields))
+    _, family, blockers, fields = min(candidates, key=lambda candidate: candidate[0])
     if blockers:
         raise ConversionError(f"cannot be written as a native {family.name} model: {'; '.join(blockers)}")
-    return family, build(config)
+    return family, fields.native_config(config)
 
 
 def export_native(source: str, output: str, *, overwrite: bool = False, log=print) -> dict:

@@ -1,6 +1,6 @@
 """Source model families: how a checkpoint of a Transformers architecture reads as a NormSwap configuration and
-weights. Each family is one declarative entry: names, tensor layouts, and the NormSwap fields of a source config
-(from `config_fields`)."""
+weights. Each family is one declarative entry: names, tensor layouts, and its configuration fields (a `FieldTable`
+from `config_fields`, read both ways)."""
 
 import re
 from collections.abc import Callable
@@ -12,15 +12,16 @@ from transformers import PreTrainedConfig
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import head_of_architecture
 from .config_fields import (
-    bert_fields,
-    distilbert_fields,
-    electra_fields,
-    gemma_fields,
-    gpt2_fields,
-    llama_fields,
-    modernbert_fields,
-    olmo2_fields,
+    BERT_FIELDS,
+    DISTILBERT_FIELDS,
+    ELECTRA_FIELDS,
+    GEMMA_FIELDS,
+    GPT2_FIELDS,
+    LLAMA_FIELDS,
+    MODERNBERT_FIELDS,
+    OLMO2_FIELDS,
 )
+from .field_table import FieldTable
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Family:
     base_prefixes: tuple[str, ...]
     renames: tuple[tuple[str, str], ...]
     dropped: tuple[str, ...]
-    fields: Callable[[PreTrainedConfig], dict] | None  # the NormSwap fields of a source config (None: NormSwap)
+    fields: FieldTable | None  # its configuration fields, both ways (None: NormSwap's own)
     causal: bool = False  # causal LMs: verified in causal mode, tokenizers get a pad token, swaps scored by perplexity
     transposed: tuple[str, ...] = ()  # source tensors stored (in, out), as GPT-2's Conv1D: transposed on the way
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # a fused NormSwap name part -> its equal parts (dim 0)
@@ -129,7 +130,7 @@ BERT = Family(
         r"lm_head\.decoder\.bias",
         r"cls\.seq_relationship\..*",
     ),
-    fields=bert_fields,
+    fields=BERT_FIELDS,
 )
 
 _LLAMA_LAYER = r"^layers\.(\d+)\."
@@ -148,7 +149,7 @@ LLAMA = Family(
         (r"^score\.", "classifier."),
     ),
     dropped=(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"rotary_emb\.inv_freq"),
-    fields=llama_fields,
+    fields=LLAMA_FIELDS,
     causal=True,
 )
 
@@ -172,7 +173,7 @@ GPT2 = Family(
         (r"^score\.", "classifier."),
     ),
     dropped=(r"h\.\d+\.attn\.(bias|masked_bias)",),
-    fields=gpt2_fields,
+    fields=GPT2_FIELDS,
     causal=True,
     transposed=(r"(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$",),
     fused=((".qkv_proj.", (".q_proj.", ".k_proj.", ".v_proj.")),),
@@ -195,7 +196,7 @@ GEMMA = Family(
         (r"^lm_head\.", "lm_head."),
     ),
     dropped=(r"rotary_emb\..*",),
-    fields=gemma_fields,
+    fields=GEMMA_FIELDS,  # Gemma 3 (text) is written back with GEMMA3_TEXT_FIELDS
     causal=True,
     norm_weight_offset=1.0,
 )
@@ -215,7 +216,7 @@ OLMO2 = Family(
         (r"^lm_head\.", "lm_head."),
     ),
     dropped=(r"rotary_emb\..*",),
-    fields=olmo2_fields,
+    fields=OLMO2_FIELDS,
     causal=True,
 )
 
@@ -244,7 +245,7 @@ DISTILBERT = Family(
         (r"^qa_outputs\.", "qa_outputs."),
     ),
     dropped=(r"embeddings\.position_ids",),
-    fields=distilbert_fields,
+    fields=DISTILBERT_FIELDS,
 )
 
 ELECTRA = Family(
@@ -260,7 +261,7 @@ ELECTRA = Family(
         (r"^generator_lm_head\.", "lm_head.decoder."),
     ),
     dropped=(r"embeddings\.(position|token_type)_ids", r"discriminator_predictions\..*"),
-    fields=electra_fields,
+    fields=ELECTRA_FIELDS,
     architecture_heads=(("ElectraForPreTraining", "base"),),  # the discriminator: its replaced-token head is dropped
 )
 
@@ -285,7 +286,7 @@ MODERNBERT = Family(
         (r"^classifier\.", "classifier."),
     ),
     dropped=(),
-    fields=modernbert_fields,
+    fields=MODERNBERT_FIELDS,
     fused=((".qkv_proj.", (".q_proj.", ".k_proj.", ".v_proj.")), (".gate_up_proj.", (".gate_proj.", ".up_proj."))),
     head_renames=(
         ("masked-lm", r"^head\.", "lm_head."),
@@ -322,9 +323,4 @@ def normswap_config(source: PreTrainedConfig, **overrides) -> NormSwapConfig:
     family = family_of(source)
     if family is NORMSWAP:
         return NormSwapConfig.from_dict({**source.to_dict(), **overrides})
-    fields = family.fields(source)
-    for name in ("id2label", "label2id", "problem_type", "bos_token_id", "eos_token_id"):
-        if getattr(source, name, None) is not None:
-            fields[name] = getattr(source, name)
-    fields.update(overrides)
-    return NormSwapConfig(**fields)
+    return NormSwapConfig(**{**family.fields.normswap_fields(source), **overrides})

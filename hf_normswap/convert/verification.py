@@ -13,12 +13,13 @@ from ..gguf import local_checkpoint
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, empty_model, local_name
 from ..probes.collapse import COLLAPSE_MARGIN, conversion_collapse
-from ..probes.swap_effect import swap_effect
+from ..probes.swap_effect import swap_batch, swap_effect
 from .exact_swaps import keeps_last_hidden_state
 from .families import Family, family_of, normswap_config
 from .lazy_layers import assign_weights, folder_loaders, lazy_model, source_loaders
 from .options import ConversionError
 from .plan import ConversionPlan
+from .stream_mix import kl_by_layer, largest_layers
 
 
 HIDDEN_TOLERANCE = 1e-5
@@ -154,12 +155,20 @@ def load_unswapped_model(plan: ConversionPlan, low_memory: bool) -> torch.nn.Mod
 
 
 def verify_conversion(
-    *, plan: ConversionPlan, plain_model, folder: Path, compare_logits: bool, log, low_memory: bool = False
+    *,
+    plan: ConversionPlan,
+    plain_model,
+    folder: Path,
+    compare_logits: bool,
+    log,
+    low_memory: bool = False,
+    stream_rms: list[float] | None = None,
 ) -> Verification:
     """Runs the source, the unswapped conversion (`plain_model`) and the model written in FOLDER on random padded
     inputs. Raises when the unswapped conversion is beyond tolerance; records whether the written model is exact,
     how far it is, the swap's effect and collapse. With `low_memory`, the source's model and the written one hold one
-    module's weights at a time (`load_pretrained`)."""
+    module's weights at a time (`load_pretrained`). With the source's `stream_rms` (a calibrated conversion out of
+    pre-LN), a causal LM's swap effect also gives the KL with each layer alone swapped (`stream_mix.kl_by_layer`)."""
     plain = plain_model.config
     native = load_pretrained(NATIVE_AUTO_CLASSES[plan.head], plan.folder, low_memory)
     # causal-LM classifiers find the last token by the pad id: the one the batch is padded with
@@ -183,6 +192,9 @@ def verify_conversion(
     log(f"written model: {'exact' if exact else 'approximate'} (max |difference| to the source: {compared})")
 
     effect = swap_effect(before=plain_model, after=written, folder=folder, head=plan.head)
+    if "kl" in effect and stream_rms is not None:
+        batch = swap_batch(folder, written.config.vocab_size)
+        effect["kl_by_layer"] = kl_by_layer(plain_model, written, stream_rms, [batch])
     log(_swap_line(effect))
     collapse = conversion_collapse(source=plain_model, variant=written, folder=folder)
     log(_collapse_line(collapse))
@@ -255,6 +267,8 @@ def _swap_line(effect: dict) -> str:
     line = f"swap effect: {effect['metric']} {effect['before']:.4f} -> {effect['after']:.4f}"
     if "kl" in effect:
         line += f"; KL to the source {effect['kl']:.3f} nats/token, top-1 agreement {effect['top1_agreement']:.3f}"
+    if "kl_by_layer" in effect:
+        line += f"; KL with one layer alone swapped, largest: {largest_layers(effect['kl_by_layer'])}"
     return line
 
 

@@ -9,7 +9,9 @@ import torch
 from datasets import Dataset, load_dataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
-from ..sharding.fsdp import compute_device, from_main_process, loads_weights, sharded
+from ..devices import compute_device
+from ..sharding.fsdp import loads_weights, sharded
+from ..sharding.processes import from_main_process
 from ..tasks import GLUE_TASKS, load_task
 from .options import HealError, HealOptions
 

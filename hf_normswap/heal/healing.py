@@ -20,21 +20,15 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import check_output, copy_companion_files, output_folder
 from ..convert.converter import ConversionRecord
+from ..convert.stream_mix import kl_by_layer
 from ..model import copy_remote_code
 from ..model.heads import head_of_config
 from ..probes.collapse import collapse_of_states
 from ..probes.next_token import greedy_agreement, greedy_continuation, greedy_prompts, next_token_agreement
-from ..sharding.fsdp import (
-    gathered,
-    is_main_process,
-    prepare_frozen,
-    prepare_trained,
-    processes,
-    resumable,
-    unsharded,
-)
+from ..sharding.fsdp import gathered, prepare_frozen, prepare_trained, resumable, unsharded
+from ..sharding.processes import is_main_process, processes
 from .data import HealTexts, heal_texts
-from .gradual_swap import GradualSwap, recorded_stream_rms
+from .gradual_swap import GradualSwap, conversion_stream_rms, recorded_stream_rms
 from .measure import masked_lm_loss, measure, teacher_states
 from .models import HealModels, load_models, memory_settings
 from .options import HealError, HealOptions
@@ -54,7 +48,7 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     """
     options = HealOptions(**options)
     check_output(output, overwrite)
-    stream_rms = None
+    stream_rms = conversion_stream_rms(Path(variant))
     if options.swap_schedule != "direct":
         stream_rms = recorded_stream_rms(Path(variant), options.swap_schedule)
     models = load_models(variant, options)
@@ -100,11 +94,12 @@ def _heal(
     every process, when sharded)."""
     with gathered(models.teacher):
         teacher = teacher_states(models.teacher, texts.held_out)
-    head_figures = _head_probe(models, texts, tokenizer)
+    separable = stream_rms is not None and models.teacher_is_source  # each layer alone: the rest compute the teacher
+    head_figures = _head_probe(models, texts, tokenizer, stream_rms=stream_rms if separable else None)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
     callbacks = [probe]
-    if stream_rms is not None:
+    if options.swap_schedule != "direct":
         callbacks.append(GradualSwap(models.student, stream_rms, options.swap_schedule, options.max_steps))
     log_history, seconds, resumed = _train(models, texts, options, callbacks=callbacks, work=work, quiet=quiet)
     for callback in callbacks[1:]:
@@ -159,21 +154,33 @@ def _head_results(
     return masked_lm, next_token
 
 
-def _head_probe(models: HealModels, texts: HealTexts, tokenizer) -> Callable[[torch.nn.Module], dict]:
+def _head_probe(
+    models: HealModels, texts: HealTexts, tokenizer, stream_rms: list[float] | None
+) -> Callable[..., dict]:
     """`_head_figures` on the held-out batches; the frozen teacher's greedy continuation is generated once, here."""
     greedy = None
     if head_of_config(models.student.config) == "causal-lm":
         prompts = greedy_prompts(texts.held_out, tokenizer)
         greedy = prompts, greedy_continuation(models.teacher, prompts)
-    return functools.partial(_head_figures, models=models, batches=texts.held_out, tokenizer=tokenizer, greedy=greedy)
+    return functools.partial(
+        _head_figures, models=models, batches=texts.held_out, tokenizer=tokenizer, greedy=greedy, stream_rms=stream_rms
+    )
 
 
 def _head_figures(
-    student, *, models: HealModels, batches: list[dict], tokenizer, greedy: tuple[dict, torch.Tensor] | None
+    student,
+    *,
+    models: HealModels,
+    batches: list[dict],
+    tokenizer,
+    greedy: tuple[dict, torch.Tensor] | None,
+    stream_rms: list[float] | None,
+    before: bool = False,
 ) -> dict:
     """The student's figures through its language-model head on the held-out `batches`: its masked-LM loss (with a
     masked-LM head), or its next-token KL and top-1 agreement to the teacher and its greedy agreement with the
-    teacher's continuation of the prompts (`greedy`: prompts, the teacher's tokens; with a causal-LM head)."""
+    teacher's continuation of the prompts (`greedy`: prompts, the teacher's tokens; with a causal-LM head). `before`
+    healing, with the source's `stream_rms`, also the KL with each layer alone swapped (`stream_mix.kl_by_layer`)."""
     figures = {"masked_lm": None, "next_token": None}
     if models.masked_lm:
         figures["masked_lm"] = masked_lm_loss(student, batches, tokenizer)
@@ -182,6 +189,8 @@ def _head_figures(
         figures["next_token"] = next_token_agreement(models.teacher, student, batches) | {
             "greedy_agreement": greedy_agreement(expected, student, prompts)
         }
+        if before and stream_rms is not None:
+            figures["next_token"]["kl_by_layer"] = kl_by_layer(models.teacher, student, stream_rms, batches)
     return figures
 
 

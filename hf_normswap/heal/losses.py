@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..probes.collapse import POOLINGS, pool
-from ..sharding.fsdp import agreed_max, chunk_count, gathered
+from ..sharding.fsdp import gathered
+from ..sharding.processes import agreed_max, chunk_count
 
 
 def comparable(student: tuple, teacher: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:

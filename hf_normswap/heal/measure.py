@@ -4,10 +4,10 @@ collapse figures; and the masked-LM loss."""
 import torch
 import torch.nn.functional as F
 
+from ..devices import compute_device
 from ..model.evaluation_mode import evaluation_mode
 from ..probes.collapse import POOLINGS, boundary_states, collapse_of_states
 from ..probes.probe_data import mask_every_sixth, on_device
-from ..sharding.fsdp import compute_device
 from .losses import comparable
 
 

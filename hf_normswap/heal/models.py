@@ -44,11 +44,19 @@ class HealModels:
     teacher_id: str
     masked_lm: bool
     dtype: torch.dtype
+    student_folder: str
 
     def healed_student(self) -> torch.nn.Module:
         """The student as a plain NormSwap model in the dtype it was loaded in: its adapters, if it has any, merged
         into its weights."""
         return merged(self.student).to(self.dtype)
+
+    @property
+    def teacher_is_source(self) -> bool:
+        """Whether the teacher is the model the student was converted from (conversion.json's source)."""
+        record = ConversionRecord.read(Path(self.student_folder))
+        source = record["source"]["id"] if record else None
+        return source is not None and _same_model(self.teacher_id, source)
 
 
 def load_models(variant: str, options: HealOptions) -> HealModels:
@@ -81,12 +89,20 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
         teacher_id=teacher_id,
         masked_lm=masked_lm,
         dtype=dtype,
+        student_folder=variant,
     )
 
 
 def memory_settings(options: HealOptions) -> dict:
     """The settings that decide how much memory the two models take, as heal.json records them."""
     return {"lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "dtype": options.dtype}
+
+
+def _same_model(first: str, second: str) -> bool:
+    """Whether two model ids name the same model: the same folder, or the same Hub id or file."""
+    if Path(first).exists() and Path(second).exists():
+        return Path(first).resolve() == Path(second).resolve()
+    return first == second
 
 
 def resolve_teacher(variant: Path, teacher: str | None) -> str:

@@ -16,7 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..model.packing import pack_padded, unpack
-from ..sharding.fsdp import RecordShardedOutputs, gathered, token_share, trainer_arguments
+from ..sharding.fsdp import RecordShardedOutputs, gathered, trainer_arguments
+from ..sharding.processes import token_share
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure
 from .options import HealError, HealOptions
@@ -104,9 +105,9 @@ def training_arguments(
 
 class HealProbeCallback(TrainerCallback):
     """Measures the student on the held-out batches as the Trainer trains it (sharded, on its device): when training
-    begins (`before`, and `head_figures(student)`: `head_before`), then every `every` steps before the last, for the
-    plot. Whenever the Trainer saves a checkpoint, its figures go beside the checkpoints (`FILE`), and are read back
-    when training resumes from one."""
+    begins (`before`, and `head_figures(student, before=True)`: `head_before`), then every `every` steps before the
+    last, for the plot. Whenever the Trainer saves a checkpoint, its figures go beside the checkpoints (`FILE`), and
+    are read back when training resumes from one."""
 
     FILE = "heal_probe.json"
 
@@ -116,7 +117,7 @@ class HealProbeCallback(TrainerCallback):
         teacher_states: list[tuple],
         teacher: torch.nn.Module,
         every: int,
-        head_figures: Callable[[torch.nn.Module], dict],
+        head_figures: Callable[..., dict],
     ):
         self.batches, self.teacher_states, self.teacher, self.every = batches, teacher_states, teacher, every
         self.head_figures = head_figures
@@ -128,7 +129,7 @@ class HealProbeCallback(TrainerCallback):
             return
         with gathered(model, self.teacher):  # every process measures (a sharded student needs them all)
             self.before = measure(model, self.batches, self.teacher_states)
-            self.head_before = self.head_figures(model)
+            self.head_before = self.head_figures(model, before=True)
         self.history = [{"step": 0, **self.before[-1]}]
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

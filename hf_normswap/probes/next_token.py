@@ -6,8 +6,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..devices import compute_device
 from ..model.evaluation_mode import evaluation_mode
-from ..sharding.fsdp import compute_device
 from .probe_data import on_device
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from ..sharding.fsdp import compute_device
+from ..devices import compute_device
 from ..tasks import DATA_DIR
 
 

@@ -9,18 +9,22 @@ from .next_token import next_token_agreement
 from .probe_data import SENTENCES, mask_every_sixth, probe_tokenizer
 
 
-def swap_effect(before: torch.nn.Module, after: torch.nn.Module, folder: Path, head: str, seed: int = 0) -> dict:
-    """Compares the unswapped model with the written one (`after`, of `head`, written in FOLDER with its tokenizer)
-    on a few sentences (random tokens without a tokenizer)."""
+def swap_batch(folder: Path, vocab_size: int, seed: int = 0) -> dict:
+    """The probe's sentences, tokenised by FOLDER's tokenizer (random tokens without one)."""
     tokenizer = probe_tokenizer(folder)
     if tokenizer is None:
         generator = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(0, after.config.vocab_size, (4, 16), generator=generator)
-        batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    else:
-        encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
-        batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        input_ids = torch.randint(0, vocab_size, (4, 16), generator=generator)
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
+
+def swap_effect(before: torch.nn.Module, after: torch.nn.Module, folder: Path, head: str, seed: int = 0) -> dict:
+    """Compares the unswapped model with the written one (`after`, of `head`, written in FOLDER with its tokenizer)
+    on a few sentences (`swap_batch`)."""
+    tokenizer = probe_tokenizer(folder)
+    batch = swap_batch(folder, after.config.vocab_size, seed)
     with torch.no_grad():
         if tokenizer is not None and head == "masked-lm":
             labels = mask_every_sixth(batch, tokenizer)

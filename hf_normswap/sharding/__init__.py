@@ -1,4 +1,6 @@
-"""Training sharded across processes with FSDP2: the options a healing and a comparison share, and the sharding."""
+"""Training sharded across processes with FSDP2: the options a healing and a comparison share (`options`), the
+launch's processes (`processes`), the sharding (`fsdp`) and the workarounds of private internals it needs
+(`private_internals`)."""
 
 from .options import ShardingOptions
 

@@ -10,68 +10,23 @@ gradient reduction, which keeps the Trainer from wrapping it in DDP.
 """
 
 import contextlib
-import gc
 import itertools
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from accelerate import PartialState
+import transformers
 from accelerate.utils import DistributedType, parse_flag_from_env
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
-from transformers import TrainerCallback
-from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+from transformers import TrainerCallback, TrainingArguments
 
+from ..devices import compute_device
 from ..memory import release_freed_memory
 from ..model.evaluation_mode import evaluation_mode
 from .options import ShardingError, ShardingOptions
-
-
-def processes() -> PartialState:
-    """The processes of the launch (torchrun or accelerate launch), their group started if it was not (gloo on
-    CPU), as the Trainer starts it."""
-    return PartialState(cpu=not torch.accelerator.is_available())
-
-
-def end_processes() -> None:
-    """Ends the launch's process group, if one was started, once the models sharded across it are freed: its gloo
-    workers are joined here, not left to the interpreter's exit, where one still freeing a finished collective's
-    tensors aborts the process ("terminate called without an active exception"). The CLI calls it after a command;
-    a script of your own calls it last, once its models are out of scope."""
-    if not dist.is_initialized():
-        return
-    _forget_device_meshes()
-    gc.collect()
-    dist.destroy_process_group()
-
-
-def _forget_device_meshes() -> None:
-    """Empties torch's DTensor caches, whose entries hold device meshes, and the meshes the process group (torch
-    2.13's caches: where one is missing the rest stay, and the group may live on to the interpreter's exit)."""
-    with contextlib.suppress(AttributeError):
-        debug._clear_sharding_prop_cache()
-        DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
-        _redistribute.clear_redistribute_planner_cache()
-        _redistribute._gen_transform_infos.cache_clear()
-        _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
-
-
-def world_size() -> int:
-    """The number of processes of the distributed launch (1 without one)."""
-    return processes().num_processes
-
-
-def is_main_process() -> bool:
-    return processes().is_main_process
-
-
-def compute_device(model: torch.nn.Module) -> torch.device:
-    """The device `model` runs on: its parameters', or where FSDP2 shards them, this process's device, where its
-    units gather them (with CPU offload the shards stay on the CPU)."""
-    parameter = next(model.parameters())
-    return processes().device if isinstance(parameter, DTensor) else parameter.device
+from .private_internals import TRAINER_KEEPS_SHARDED_MODELS, mark_sharded_at_load, record_outputs
+from .processes import from_main_process, is_main_process, processes, world_size
 
 
 def accelerate_shards() -> bool:
@@ -85,7 +40,10 @@ def sharded(options: ShardingOptions) -> bool:
     in one process, so the teacher is sharded alike)."""
     state = processes()
     launched = state.distributed_type != DistributedType.NO  # by torchrun or accelerate launch
-    return options.fsdp and (state.num_processes > 1 or (launched and parse_flag_from_env("ACCELERATE_USE_FSDP")))
+    shards = options.fsdp and (state.num_processes > 1 or (launched and parse_flag_from_env("ACCELERATE_USE_FSDP")))
+    if shards and not accelerate_shards() and not TRAINER_KEEPS_SHARDED_MODELS:
+        raise ShardingError(f"fsdp on CPU needs transformers>=5.19 (found {transformers.__version__}): upgrade it")
+    return shards
 
 
 def loads_weights(options: ShardingOptions, trained: bool = False) -> bool:
@@ -122,7 +80,7 @@ def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
     del whole
     record_outputs(model)
     run_whole_once(model)
-    model._is_distributed_loading_by_transformers = True  # the Trainer then neither moves nor DDP-wraps it
+    mark_sharded_at_load(model)
     release_freed_memory()  # the whole weights, freed
     return model
 
@@ -152,21 +110,6 @@ def take_main_dtypes(model: torch.nn.Module) -> None:
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def from_main_process(tensor: torch.Tensor | None, shape: tuple, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """The main process's `tensor` (of `shape` and `dtype`) on every process, on the CPU; elsewhere `tensor` is None.
-    Every process must call it."""
-    device = processes().device
-    shared = tensor.to(device) if is_main_process() else torch.empty(shape, dtype=dtype, device=device)
-    dist.broadcast(shared, src=0)
-    return shared.cpu()
-
-
-def record_outputs(model: torch.nn.Module) -> None:
-    """Registers what `model`'s forward may record (hidden states) under its class: Transformers finds that by the
-    class's name, which FSDP2 changes."""
-    _CAN_RECORD_REGISTRY[model] = getattr(model, "_can_record_outputs", None)
 
 
 def run_whole_once(model: torch.nn.Module) -> None:
@@ -245,11 +188,20 @@ def prepare_frozen(model: torch.nn.Module, options: ShardingOptions) -> torch.nn
     return model
 
 
+# TrainingArguments' field for activation checkpointing: `activation_checkpointing` from Transformers 5.23 (where
+# `gradient_checkpointing` is its deprecated alias), `gradient_checkpointing` before.
+CHECKPOINTING_ARGUMENT = next(
+    name
+    for name in ("activation_checkpointing", "gradient_checkpointing")
+    if name in TrainingArguments.__dataclass_fields__
+)
+
+
 def trainer_arguments(options: ShardingOptions, model: torch.nn.Module) -> dict:
     """The TrainingArguments `options` set: mixed precision, activation checkpointing, and on accelerators the
     Trainer's FSDP2 (the `fsdp_config` file, or each of the model's blocks a unit). On CPU, a model sharded here (see
     `shard`) cannot be resumed by the Trainer, so it saves no checkpoints (`resumable`)."""
-    arguments = {"bf16": options.bf16, "activation_checkpointing": options.activation_checkpointing}
+    arguments = {"bf16": options.bf16, CHECKPOINTING_ARGUMENT: options.activation_checkpointing}
     if sharded(options) and accelerate_shards():
         config = options.fsdp_config_fields() or {
             "version": 2,
@@ -302,31 +254,3 @@ def unsharded(model: torch.nn.Module) -> torch.nn.Module | None:
     if missing:
         raise RuntimeError(f"gathered state of {plain_class.__name__} lacks {missing[:3]}")
     return plain
-
-
-def token_share(count: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """This process's share of the global batch's `count` (e.g. of its real tokens), times the number of processes:
-    the weight that turns a mean over this process's items into its part of the mean over every process's items
-    (the Trainer averages the processes' gradients and logged losses)."""
-    count = torch.as_tensor(count, dtype=torch.float32, device=device)
-    if world_size() == 1:
-        return torch.ones((), device=device)
-    total = count.clone()
-    dist.all_reduce(total)
-    return count * world_size() / total.clamp_min(1)
-
-
-def chunk_count(rows: int, chunk: int, device: torch.device) -> int:
-    """How many chunks of at most `chunk` rows every process splits its `rows` into: the most any process needs, so
-    that all of them run a sharded model's head (and its gathers) as often."""
-    return agreed_max(max(1, -(-rows // chunk)), device)
-
-
-def agreed_max(value: int, device: torch.device) -> int:
-    """The largest `value` of all the processes (`value` itself without a launch), so that every process takes the
-    same decision where they must run the same collectives."""
-    if world_size() == 1:
-        return value
-    largest = torch.tensor(value, device=device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return int(largest)

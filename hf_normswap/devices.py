@@ -1,0 +1,13 @@
+"""Where a model computes, whether its parameters are plain tensors or DTensor shards."""
+
+import torch
+
+
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """The device `model` computes on: its parameters', or for DTensor shards the device their mesh gathers them on
+    (with CPU offload the shards stay on the CPU while the units compute on the accelerator)."""
+    parameter = next(model.parameters())
+    mesh = getattr(parameter, "device_mesh", None)
+    if mesh is None or mesh.device_type == "cpu":
+        return parameter.device
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
