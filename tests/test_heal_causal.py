@@ -125,6 +125,27 @@ def test_gradual_swap_starts_at_the_source_and_ends_at_the_target(llama, placeme
     swap.remove()
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_taper_starts_at_the_exact_per_token_rewrite(llama, placement):
+    """`taper` starts from the post-LN rewrite that divides each write by the token's own stream RMS (the source,
+    whatever each token's RMS), and ends at the target; halfway, layer 0 is open and layer 1 still exact."""
+    source = load_unswapped(str(llama / "llama"), head="causal-lm")
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / placement).eval()
+    input_ids = torch.randint(4, 60, (3, 12), generator=torch.Generator().manual_seed(0))
+    target, expected = _logits(model, input_ids), _logits(source, input_ids)
+    swap = GradualSwap(model, recorded_stream_rms(llama / placement, "taper"), "taper", max_steps=8)
+    swap.set_step(0)
+    assert swap.gates.tolist() == [0.0] * 4 and swap.per_token.tolist() == [1.0] * 4
+    assert (_logits(model, input_ids) - expected).abs().max() <= 1e-4 * expected.abs().max()
+    swap.per_token.zero_()  # every write divided by the median: the calibrated target's function
+    assert (_logits(model, input_ids) - target).abs().max() <= 1e-4 * target.abs().max()
+    swap.set_step(2)
+    assert swap.gates.tolist() == [1.0, 1.0, 0.0, 0.0] and swap.per_token.tolist() == [0.0, 0.0, 1.0, 1.0]
+    swap.set_step(4)
+    assert torch.allclose(_logits(model, input_ids), target)
+    swap.remove()
+
+
 @pytest.mark.parametrize("placement", ["post", "deepnorm"])
 def test_kl_by_layer_swaps_each_layer_alone(llama, placement):
     """conversion.json's swap effect gives, for each layer, the KL with that layer alone in the target placement:
@@ -209,7 +230,7 @@ def test_teacher_samples_depend_on_no_batch_size(llama):
     assert sampled[0] == sampled[1] and len({tuple(row) for row in sampled[0]}) == 36
 
 
-@pytest.mark.parametrize("schedule", ["direct", "gate", "layers"])
+@pytest.mark.parametrize("schedule", ["direct", "gate", "layers", "taper"])
 def test_kl_healing_on_teacher_text(llama, schedule):
     report = heal_checkpoint(
         str(llama / "post-shifted" if schedule == "direct" else llama / "post"),
@@ -311,6 +332,11 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
         ([str(tmp_path / "pre"), "--objective", "kl"], "objective='kl' needs a causal-LM student"),
         ([str(llama / "post-shifted"), "--swap-schedule", "gate"], "needs a calibrated conversion out of pre-LN"),
         ([str(llama / "post"), "--sample-count", "0"], "sample_count=0 is invalid"),
+        ([str(llama / "post-shifted"), "--swap-schedule", "taper"], "needs a calibrated conversion out of pre-LN"),
+        (
+            [str(llama / "post"), "--swap-schedule", "taper", "--activation-checkpointing"],
+            "swap_schedule='taper' is invalid with activation_checkpointing=True",
+        ),
     ]
     capsys.readouterr()
     for arguments, message in cases:

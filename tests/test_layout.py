@@ -131,3 +131,17 @@ def test_everything_the_package_imports_is_declared():
                 if not providers & declared:
                     undeclared.add(f"{top} ({path.name})")
     assert not undeclared, sorted(undeclared)
+
+
+def test_the_package_exports_every_head_of_the_registry():
+    """`hf_normswap` exports each NormSwap head class the registry (`model.heads.HEAD_CLASSES`) declares, and the
+    Auto classes load each for a NormSwap configuration."""
+    from transformers import AutoConfig
+
+    from hf_normswap.model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES
+
+    for head, model_class in HEAD_CLASSES.items():
+        name = model_class.__name__
+        assert name in hf_normswap.__all__ and getattr(hf_normswap, name) is model_class
+        assert NATIVE_AUTO_CLASSES[head]._model_mapping[hf_normswap.NormSwapConfig] is model_class
+    assert AutoConfig.for_model("normswap").__class__ is hf_normswap.NormSwapConfig

@@ -11,6 +11,12 @@ gate g_p in [0, 1] mixes the two:
     sublayer input:   g * y + (1 - g) * y / rms(y)                            (where the target has no input norm)
 
 g = 0 everywhere is the source, g = 1 the calibrated target; the last write (the source's final norm) is never mixed.
+
+What post-LN cannot carry is each token's own stream RMS rho_s. With `per_token_stream`, the source's side holds each
+token's normalised stream u_p = x_p / rho_p instead (what a post-LN norm gives), and carries rho_p beside it: each
+write point rescales the carried stream by (rho_s / r_s)^t before normalising the sum, so that with t = 1 (`per_token`)
+and g = 0 the stream is the source's exactly for every token (up to the norms' epsilon): the post-LN rewrite that
+divides each write by the token's own RMS. t = 0 divides by the median, as the calibrated target does.
 """
 
 import contextlib
@@ -22,7 +28,7 @@ from torch import nn
 from ..probes.next_token import next_token_agreement
 
 
-def _normalised(states: torch.Tensor, centred: bool, eps: float) -> torch.Tensor:
+def _normalised(states: torch.Tensor, centred: bool, eps: float | torch.Tensor) -> torch.Tensor:
     """`states` with zero mean (LayerNorm) and unit RMS over features, without parameters."""
     states = states - states.mean(-1, keepdim=True) if centred else states
     return states * torch.rsqrt(states.float().pow(2).mean(-1, keepdim=True) + eps).to(states.dtype)
@@ -30,48 +36,83 @@ def _normalised(states: torch.Tensor, centred: bool, eps: float) -> torch.Tensor
 
 class StreamMix:
     """Hooks on a converted model's norms and sublayers that mix source and target at each of its 2 * layers stream
-    points (two a layer: before attention, before the MLP) by `gates`, all open (the target) until set."""
+    points (two a layer: before attention, before the MLP) by `gates`, all open (the target) until set; with
+    `per_token_stream`, the source's side carries each token's own stream RMS, rescaled by `per_token` (t, all 1)."""
 
-    def __init__(self, model: nn.Module, stream_rms: list[float]):
+    def __init__(self, model: nn.Module, stream_rms: list[float], per_token_stream: bool = False):
         base = getattr(model, "get_base_model", lambda: model)().base_model  # through a PEFT wrapper
         self.layers = len(base.layers)
         if len(stream_rms) != 2 * self.layers + 1:
             raise ValueError("the recorded stream RMS does not fit the model's layers")
-        self.gates = torch.ones(2 * self.layers)
-        self.hooks = []
-        centred = base.config.norm_type == "layernorm"
+        self.gates, self.per_token = torch.ones(2 * self.layers), torch.ones(2 * self.layers)
+        self.stream_rms, self.per_token_stream, self.hooks = stream_rms, per_token_stream, []
+        self.centred, self.eps = base.config.norm_type == "layernorm", base.config.norm_eps
+        self._stream = self._rms = None  # per-token stream: the last write point's stream, and x's RMS it carries
         sublayers = [
             pair
             for layer in base.layers
             for pair in ((layer.attention_norms, layer.self_attn), (layer.mlp_norms, layer.mlp))
         ]
-        writes = [(base.embeddings.norm, 1 / stream_rms[0])] + [
-            (norms.residual_norm, stream_rms[s] / (norms.residual_scale * stream_rms[s + 1]))
-            for s, (norms, _) in enumerate(sublayers[:-1])
-        ]
-        for point, (norm, factor) in enumerate(writes):
-            self.hooks.append(norm.register_forward_hook(self._mix_write(point, factor, centred)))
+        # per write point: its norm, and the norms of the sublayer whose sum it normalises (None: the embeddings)
+        writes = [(base.embeddings.norm, None)] + [(norms.residual_norm, norms) for norms, _ in sublayers[:-1]]
+        for point, (norm, summed) in enumerate(writes):
+            self.hooks.append(norm.register_forward_hook(self._mix_write(point, summed)))
             norms, module = sublayers[point]
             if isinstance(norms.input_norm, nn.Identity):
-                eps = base.config.norm_eps / stream_rms[point] ** 2  # the source's, on a stream divided by r
-                self.hooks.append(module.register_forward_pre_hook(self._mix_input(point, centred, eps)))
+                self.hooks.append(module.register_forward_pre_hook(self._mix_input(point)))
+        if per_token_stream:  # the last sum reaches the source's final norm, never mixed: rescaled only
+            last = sublayers[-1][0]
+            final = base.norm if isinstance(last.residual_norm, nn.Identity) else last.residual_norm
+            self.hooks.append(final.register_forward_pre_hook(self._rescale_last(last)))
 
-    def _mix_write(self, point: int, factor: float, centred: bool):
-        def hook(norm, args, output):
-            gate = self.gates[point].item()
-            if gate == 1.0:
-                return output
-            states = args[0] - args[0].mean(-1, keepdim=True) if centred else args[0]
-            return gate * output + (1 - gate) * factor * states
+    def _rescaled_sum(self, point: int, summed, states: torch.Tensor) -> torch.Tensor:
+        """The sum `states` of the sublayer before `point` (of norms `summed`), its carried per-token stream u_s
+        rescaled by (rho_s / r_s)^t: alpha * (x_s + F_s) / r_s with t = 1."""
+        if self._rms is None:
+            return states
+        carried = self._stream * (summed.residual_weight if summed.residual_weight is not None else 1.0)
+        rescale = (self._rms / self.stream_rms[point - 1]) ** self.per_token[point - 1].item()
+        return states + summed.residual_scale * carried * (rescale - 1)
+
+    def _rescale_last(self, summed):
+        def hook(module, args):
+            return (self._rescaled_sum(2 * self.layers, summed, args[0]), *args[1:])
 
         return hook
 
-    def _mix_input(self, point: int, centred: bool, eps: float):
+    def _source_side(self, point: int, summed, states: torch.Tensor) -> torch.Tensor:
+        """The stream the source's side gives at `point` from the sum `states` the norm reads: x_p / r_p, or with
+        `per_token_stream` x_p / rho_p (and rho_p kept for the next point)."""
+        to_source = 1.0  # the embeddings' output is x_0; a sum is alpha * x_{s+1} / r_s
+        if summed is not None:
+            states = self._rescaled_sum(point, summed, states) if self.per_token_stream else states
+            to_source = self.stream_rms[point - 1] / summed.residual_scale
+        states = states - states.mean(-1, keepdim=True) if self.centred else states
+        if not self.per_token_stream:
+            return states * (to_source / self.stream_rms[point])
+        rms = states.float().pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-30).to(states.dtype)
+        self._rms = rms * to_source
+        return states / rms
+
+    def _mix_write(self, point: int, summed):
+        def hook(norm, args, output):
+            gate = self.gates[point].item()
+            if gate == 1.0:
+                self._stream = self._rms = None
+                return output
+            self._stream = gate * output + (1 - gate) * self._source_side(point, summed, args[0])
+            return self._stream
+
+        return hook
+
+    def _mix_input(self, point: int):
         def hook(module, args):
             gate = self.gates[point].item()
             if gate == 1.0:
                 return None
-            return (gate * args[0] + (1 - gate) * _normalised(args[0], centred, eps), *args[1:])
+            scale = self.stream_rms[point] if self._rms is None else self._rms  # what x was divided by
+            eps = self.eps / scale**2  # the source's, on the stream
+            return (gate * args[0] + (1 - gate) * _normalised(args[0], self.centred, eps), *args[1:])
 
         return hook
 
@@ -81,9 +122,9 @@ class StreamMix:
 
 
 @contextlib.contextmanager
-def stream_mix(model: nn.Module, stream_rms: list[float]) -> Iterator[StreamMix]:
+def stream_mix(model: nn.Module, stream_rms: list[float], per_token_stream: bool = False) -> Iterator[StreamMix]:
     """`model` mixed with its source (`StreamMix`) for the block, its hooks removed after."""
-    mix = StreamMix(model, stream_rms)
+    mix = StreamMix(model, stream_rms, per_token_stream)
     try:
         yield mix
     finally:

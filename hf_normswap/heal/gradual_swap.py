@@ -1,7 +1,8 @@
 """A gradual swap out of pre-LN: the student starts computing what its source computes and moves to its own
 placement during healing, its stream points' gates (`convert.stream_mix`) opening over the first half of the steps,
-all at once (`gate`) or one layer after another (`layers`); before the first step (where the healing measures the
-student as it starts) they are open.
+all at once (`gate`) or one layer after another (`layers`); with `taper`, one layer after another too, from the exact
+post-LN rewrite that divides each write by the token's own stream RMS to the median's (`per_token_stream`). Before
+the first step (where the healing measures the student as it starts) the gates are open.
 """
 
 from pathlib import Path
@@ -20,7 +21,7 @@ class GradualSwap(StreamMix, TrainerCallback):
 
     def __init__(self, model: nn.Module, stream_rms: list[float], schedule: str, max_steps: int):
         try:
-            super().__init__(model, stream_rms)
+            super().__init__(model, stream_rms, per_token_stream=schedule == "taper")
         except ValueError as error:
             raise HealError(f"swap_schedule={schedule!r}: {error}") from None
         self.schedule, self.opening_steps = schedule, max(1, max_steps // 2)
@@ -30,9 +31,11 @@ class GradualSwap(StreamMix, TrainerCallback):
         progress = min(1.0, step / self.opening_steps)
         if self.schedule == "gate":
             self.gates.fill_(progress)
-        else:  # layers: layer l opens while progress * layers goes from l to l + 1
-            per_layer = (progress * self.layers - torch.arange(self.layers)).clamp(0, 1)
-            self.gates.copy_(per_layer.repeat_interleave(2))
+            return
+        # layers and taper: layer l opens while progress * layers goes from l to l + 1
+        per_layer = (progress * self.layers - torch.arange(self.layers)).clamp(0, 1).repeat_interleave(2)
+        self.gates.copy_(per_layer)
+        self.per_token.copy_(1 - per_layer)  # taper: its writes from the token's own RMS to the median's
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.set_step(state.global_step)

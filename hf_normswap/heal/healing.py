@@ -180,7 +180,8 @@ def _head_figures(
     """The student's figures through its language-model head on the held-out `batches`: its masked-LM loss (with a
     masked-LM head), or its next-token KL and top-1 agreement to the teacher and its greedy agreement with the
     teacher's continuation of the prompts (`greedy`: prompts, the teacher's tokens; with a causal-LM head). `before`
-    healing, with the source's `stream_rms`, also the KL with each layer alone swapped (`stream_mix.kl_by_layer`)."""
+    healing, with the source's `stream_rms`, also the KL with each layer alone swapped (`stream_mix.kl_by_layer`), on
+    the first held-out batch."""
     figures = {"masked_lm": None, "next_token": None}
     if models.masked_lm:
         figures["masked_lm"] = masked_lm_loss(student, batches, tokenizer)
@@ -189,8 +190,8 @@ def _head_figures(
         figures["next_token"] = next_token_agreement(models.teacher, student, batches) | {
             "greedy_agreement": greedy_agreement(expected, student, prompts)
         }
-        if before and stream_rms is not None:
-            figures["next_token"]["kl_by_layer"] = kl_by_layer(models.teacher, student, stream_rms, batches)
+        if before and stream_rms is not None:  # two forwards a layer: on the first batch only
+            figures["next_token"]["kl_by_layer"] = kl_by_layer(models.teacher, student, stream_rms, batches[:1])
     return figures
 
 

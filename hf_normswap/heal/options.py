@@ -7,7 +7,7 @@ from ..sharding import ShardingOptions
 
 
 OBJECTIVES = ("hidden", "cka", "similarity", "mlm", "kl")
-SWAP_SCHEDULES = ("direct", "gate", "layers")
+SWAP_SCHEDULES = ("direct", "gate", "layers", "taper")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -78,7 +78,8 @@ class HealOptions(ShardingOptions):
         metadata={
             "choices": SWAP_SCHEDULES,
             "help": "out of pre-LN: start from the source's function and move to the target placement over the first "
-            "half of the steps, all layers at once (gate) or one layer after another (layers); direct: at once",
+            "half of the steps, all layers at once (gate), one layer after another (layers), or one layer after "
+            "another from writes divided by each token's own stream RMS to the median's (taper); direct: at once",
         },
     )
     sample_temperature: float = field(default=1.0, metadata={"help": "with --data teacher: the sampling temperature"})
@@ -131,6 +132,11 @@ class HealOptions(ShardingOptions):
             raise HealError(f"max_steps={self.max_steps!r} is invalid: at least 1")
         if self.swap_schedule not in SWAP_SCHEDULES:
             raise HealError(f"swap_schedule={self.swap_schedule!r} is invalid: allowed are {list(SWAP_SCHEDULES)}")
+        if self.swap_schedule == "taper" and self.activation_checkpointing:
+            raise HealError(
+                "swap_schedule='taper' is invalid with activation_checkpointing=True: its per-token stream is carried "
+                "from layer to layer, which recomputing one layer alone would not see"
+            )
         if self.sample_count is not None and self.sample_count < 1:
             raise HealError(f"sample_count={self.sample_count!r} is invalid: at least 1, or none for a stream")
         for name in ("learning_rate", "batch_size", "max_length", "eval_size", "sample_temperature", "sample_length"):
