@@ -18,6 +18,7 @@ from hf_normswap.convert.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.heal import HealError, HealOptions, losses
 from hf_normswap.heal.data import teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
+from hf_normswap.heal.reconstruction import reconstruct_layers
 from hf_normswap.hub.card import build_card
 from hf_normswap.hub.push import prepare_upload
 from hf_normswap.model.heads import HEAD_CLASSES
@@ -164,6 +165,67 @@ def test_kl_by_layer_swaps_each_layer_alone(llama, placement):
         mix.gates[:2] = 1  # layer 0 alone swapped
         assert next_token_agreement(source, model, [batch])["kl"] == pytest.approx(per_layer[0], rel=1e-4)
     assert next_token_agreement(source, model, [batch])["kl"] == pytest.approx(effect["kl"], rel=1e-4)  # unhooked
+
+
+@pytest.mark.parametrize("placement", ["post", "deepnorm"])
+def test_reconstruction_targets_are_the_students_stream_where_the_conversion_is_exact(llama, placement, tmp_path):
+    # One token per sequence, all the same: the calibrated conversion computes the source's function exactly, so
+    # each layer already gives the teacher's stream as the student's norms hold it, and a fit has nothing to move.
+    source = load_unswapped(str(llama / "llama"), head="causal-lm")
+    convert_checkpoint(
+        str(llama / "llama"), str(tmp_path / "shifted"), norm_placement=placement, attention="causal", calibrate=False
+    )
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "shifted").eval()
+    batch = {"input_ids": torch.full((4, 1), 7), "attention_mask": torch.ones(4, 1, dtype=torch.long)}
+    calibrate_stream(model, source, [batch])
+    errors = reconstruct_layers(model, source, [batch], steps=0)
+    assert len(errors) == 2 and all(before == after <= 1e-10 for before, after in errors)
+
+
+def test_reconstruction_brings_each_layer_and_the_next_token_closer(llama):
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, teacher.config.vocab_size, (48, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[::3, 8:] = 0  # padded texts: only real tokens count
+    batches = [{"input_ids": ids[i : i + 16], "attention_mask": mask[i : i + 16]} for i in range(0, 48, 16)]
+    held_out = {"input_ids": torch.randint(3, teacher.config.vocab_size, (8, 12), generator=generator)}
+    held_out["attention_mask"] = torch.ones_like(held_out["input_ids"])
+    before = next_token_agreement(teacher, student, [held_out])["kl"]
+    errors = reconstruct_layers(student, teacher, batches, steps=60)
+    assert len(errors) == 2 and all(after < 0.95 * before for before, after in errors)
+    assert next_token_agreement(teacher, student, [held_out])["kl"] < 0.95 * before  # measured: 0.91
+    assert not any(parameter.grad is not None for parameter in student.parameters())
+
+
+def test_the_layers_are_fitted_by_default_out_of_pre_ln_with_the_direct_swap():
+    fitted = HealOptions().for_head("causal-lm", stream_recorded=True)
+    assert fitted.reconstruct_steps == 30 and fitted.learning_rate == 1e-5 and fitted.max_steps == 100
+    for options, recorded in (
+        (HealOptions(), False),  # no calibrated conversion out of pre-LN
+        (HealOptions(swap_schedule="taper"), True),
+        (HealOptions(lora=True), True),
+        (HealOptions(reconstruct_steps=0), True),
+    ):
+        unfitted = options.for_head("causal-lm", stream_recorded=recorded)
+        assert unfitted.reconstruct_steps == 0 and unfitted.learning_rate == 1e-4
+    assert HealOptions().for_head("other", stream_recorded=True).reconstruct_steps == 0
+    assert HealOptions(reconstruct_steps=5, learning_rate=3e-4).for_head("causal-lm", True).learning_rate == 3e-4
+
+
+def test_a_healing_reconstructs_the_layers_first(llama):
+    report = heal_checkpoint(
+        str(llama / "post"), str(llama / "reconstructed"), **HEAL, reconstruct_steps=20, reconstruct_sequences=32
+    )
+    reconstruction = report["reconstruction"]
+    assert reconstruction["sequences"] == 32 and reconstruction["steps"] == 20 and reconstruction["seconds"] > 0
+    assert len(reconstruction["layer_errors"]) == 2
+    assert all(after < before for before, after in reconstruction["layer_errors"])
+    conversion, start = reconstruction["conversion"], report["next_token"]["before"]
+    assert len(conversion["kl_by_layer"]) == 2 and "kl_by_layer" not in start  # measured on the conversion only
+    assert start["kl"] < 0.99 * conversion["kl"]  # healing starts from the fitted layers (measured: 0.969)
+    assert json.loads((llama / "reconstructed" / "heal.json").read_text())["reconstruction"] == reconstruction
 
 
 def test_chunked_kl_equals_the_whole(llama, monkeypatch):
@@ -337,7 +399,25 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
             [str(llama / "post"), "--swap-schedule", "taper", "--activation-checkpointing"],
             "swap_schedule='taper' is invalid with activation_checkpointing=True",
         ),
+        (
+            [str(llama / "post-shifted"), "--reconstruct-steps", "5"],
+            "reconstruct_steps=5 needs a calibrated conversion",
+        ),
+        (
+            [str(llama / "post"), "--reconstruct-steps", "5", "--reconstruct-sequences", "8"],
+            "reconstruct_sequences=8 is too few for the fit: at least 16",
+        ),
+        (
+            [str(llama / "post"), "--reconstruct-steps", "5", "--swap-schedule", "taper"],
+            "reconstruct_steps is invalid with swap_schedule='taper'",
+        ),
+        ([str(llama / "post"), "--reconstruct-steps", "5", "--lora"], "reconstruct_steps is invalid with lora=True"),
+        (
+            [str(llama / "post"), "--reconstruct-steps", "5", "--data", str(tmp_path / "few.txt")],
+            "reconstruct_sequences=128 is invalid: the training text holds",
+        ),
     ]
+    (tmp_path / "few.txt").write_text("".join(f"text number {i}\n" for i in range(40)))
     capsys.readouterr()
     for arguments, message in cases:
         output = tmp_path / "out"

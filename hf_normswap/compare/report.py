@@ -277,24 +277,27 @@ def _healing_lines(summary: dict) -> list[str]:
             f"({heal['teacher_collapse']['first_token'][-1]:.4f}) |"
         )
         if causal:
-            line += _next_token_cells(heal.get("next_token"))
+            line += _next_token_cells(heal)
         lines.append(line)
     return lines + [""]
 
 
-def _next_token_cells(next_token: dict | None) -> str:
-    """A healed causal LM's next-token KL to the source and top-1 agreement with it, before → after, its KL by the
-    token's position in the text after (`probes.next_token.POSITION_BINS`), and the layers that lost the most alone
-    before (`convert.stream_mix.kl_by_layer`)."""
-    if not next_token:
+def _next_token_cells(heal: dict) -> str:
+    """A healed causal LM's next-token KL to the source and top-1 agreement with it, before → after (from the
+    conversion, through the layers' fit where there was one), its KL by the token's position in the text after
+    (`probes.next_token.POSITION_BINS`), and the layers that lost the most alone before (`convert.stream_mix`)."""
+    if not heal.get("next_token"):
         return " | | | |"
-    before, after = next_token["before"], next_token["after"]
+    before, after = heal["next_token"]["before"], heal["next_token"]["after"]
+    converted = (heal.get("reconstruction") or {}).get("conversion") or before
+
+    def path(figure: str) -> str:
+        fitted = f"{before[figure]:.4f} (fitted) → " if converted is not before else ""
+        return f"{converted[figure]:.4f} → {fitted}{after[figure]:.4f}"
+
     by_position = ", ".join(f"{bin}: {kl:.3f}" for bin, kl in after.get("kl_by_position", {}).items())
-    by_layer = largest_layers(before["kl_by_layer"]) if "kl_by_layer" in before else ""
-    return (
-        f" {before['kl']:.4f} → {after['kl']:.4f} | {before['top1_agreement']:.4f} → {after['top1_agreement']:.4f} "
-        f"| {by_position} | {by_layer} |"
-    )
+    by_layer = largest_layers(converted["kl_by_layer"]) if "kl_by_layer" in converted else ""
+    return f" {path('kl')} | {path('top1_agreement')} | {by_position} | {by_layer} |"
 
 
 def _update_size_lines(update_size: dict | None) -> list[str]:

@@ -38,6 +38,7 @@ HEAL_SUMMARY = (  # what a comparison keeps of a healing's heal.json, beside its
     "resumed",
     "teacher_collapse",
     "next_token",  # a causal LM's next-token KL and agreements before and after; None for other heads
+    "reconstruction",  # the layers' fit before healing, the conversion's figures before it; None without one
 )
 
 

@@ -25,10 +25,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..probes.next_token import next_token_agreement
+from ..probes.next_token import agreement_with, next_token_log_probs
 
 
-def _normalised(states: torch.Tensor, centred: bool, eps: float | torch.Tensor) -> torch.Tensor:
+def normalised(states: torch.Tensor, centred: bool, eps: float | torch.Tensor) -> torch.Tensor:
     """`states` with zero mean (LayerNorm) and unit RMS over features, without parameters."""
     states = states - states.mean(-1, keepdim=True) if centred else states
     return states * torch.rsqrt(states.float().pow(2).mean(-1, keepdim=True) + eps).to(states.dtype)
@@ -100,8 +100,10 @@ class StreamMix:
             if gate == 1.0:
                 self._stream = self._rms = None
                 return output
-            self._stream = gate * output + (1 - gate) * self._source_side(point, summed, args[0])
-            return self._stream
+            mixed = gate * output + (1 - gate) * self._source_side(point, summed, args[0])
+            if self.per_token_stream:
+                self._stream = mixed
+            return mixed
 
         return hook
 
@@ -112,7 +114,7 @@ class StreamMix:
                 return None
             scale = self.stream_rms[point] if self._rms is None else self._rms  # what x was divided by
             eps = self.eps / scale**2  # the source's, on the stream
-            return (gate * args[0] + (1 - gate) * _normalised(args[0], self.centred, eps), *args[1:])
+            return (gate * args[0] + (1 - gate) * normalised(args[0], self.centred, eps), *args[1:])
 
         return hook
 
@@ -135,12 +137,12 @@ def stream_mix(model: nn.Module, stream_rms: list[float], per_token_stream: bool
 def kl_by_layer(source: nn.Module, model: nn.Module, stream_rms: list[float], batches: list[dict]) -> list[float]:
     """The next-token KL(source || model) in nats per token with each layer alone in the target placement, every
     other computing the source's function: where a conversion out of pre-LN loses what it loses."""
-    kls = []
+    kls, expected = [], list(next_token_log_probs(source, batches))  # the source's, once
     with stream_mix(model, stream_rms) as mix:
         for layer in range(mix.layers):
             mix.gates.zero_()
             mix.gates[2 * layer : 2 * layer + 2] = 1
-            kls.append(next_token_agreement(source, model, batches)["kl"])
+            kls.append(agreement_with(expected, model, batches)["kl"])
     return kls
 
 

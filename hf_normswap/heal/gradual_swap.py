@@ -48,12 +48,12 @@ def conversion_stream_rms(variant: Path) -> list[float] | None:
     return calibration.get("stream_rms") or None
 
 
-def recorded_stream_rms(variant: Path, schedule: str) -> list[float]:
-    """`conversion_stream_rms`, which a gradual swap by `schedule` needs."""
+def recorded_stream_rms(variant: Path, needed_by: str) -> list[float]:
+    """`conversion_stream_rms`, which `needed_by` (an option, as the user set it) needs."""
     stream_rms = conversion_stream_rms(variant)
     if stream_rms is None:
         raise HealError(
-            f"swap_schedule={schedule!r} needs a calibrated conversion out of pre-LN (post, pre_post or deepnorm); "
+            f"{needed_by} needs a calibrated conversion out of pre-LN (post, pre_post or deepnorm); "
             f"{variant}'s conversion.json records none"
         )
     return stream_rms

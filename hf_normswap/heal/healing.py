@@ -32,7 +32,8 @@ from .gradual_swap import GradualSwap, conversion_stream_rms, recorded_stream_rm
 from .measure import masked_lm_loss, measure, teacher_states
 from .models import HealModels, load_models, memory_settings
 from .options import HealError, HealOptions
-from .report import HealData, HealReport, MaskedLMLoss, NextTokenAgreement, plot_history
+from .reconstruction import RECONSTRUCTION_LEARNING_RATE, reconstruct_layers, reconstruction_batches
+from .report import HealData, HealReport, MaskedLMLoss, NextTokenAgreement, Reconstruction, plot_history
 from .trainer import HealProbeCallback, HealTrainer, training_arguments
 
 
@@ -50,9 +51,11 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     check_output(output, overwrite)
     stream_rms = conversion_stream_rms(Path(variant))
     if options.swap_schedule != "direct":
-        stream_rms = recorded_stream_rms(Path(variant), options.swap_schedule)
+        stream_rms = recorded_stream_rms(Path(variant), f"swap_schedule={options.swap_schedule!r}")
     models = load_models(variant, options)
-    options = options.for_head(head_of_config(models.student.config))
+    options = options.for_head(head_of_config(models.student.config), stream_recorded=stream_rms is not None)
+    if options.reconstruct_steps:
+        recorded_stream_rms(Path(variant), f"reconstruct_steps={options.reconstruct_steps}")
     if options.fsdp and options.data == "teacher" and options.sample_count is None:
         raise HealError("data='teacher' with fsdp=True needs sample_count: texts are sampled once, before sharding")
     if options.checkpoint_dir and not resumable(options):
@@ -96,6 +99,7 @@ def _heal(
         teacher = teacher_states(models.teacher, texts.held_out)
     separable = stream_rms is not None and models.teacher_is_source  # each layer alone: the rest compute the teacher
     head_figures = _head_probe(models, texts, tokenizer, stream_rms=stream_rms if separable else None)
+    reconstruction, head_figures = _reconstruct(models, texts, tokenizer, options, head_figures)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
     callbacks = [probe]
@@ -136,8 +140,32 @@ def _heal(
         after=after,
         history=probe.history,
         log_history=log_history,
+        reconstruction=reconstruction,
         **memory_settings(options),
     )
+
+
+def _reconstruct(
+    models: HealModels, texts: HealTexts, tokenizer, options: HealOptions, head_figures: Callable[..., dict]
+) -> tuple[Reconstruction | None, Callable[..., dict]]:
+    """With `reconstruct_steps`, the student's layers fitted one after another (`reconstruction`), its figures through
+    its head measured before; and `head_figures` as the healing measures it then (each layer alone swapped: of the
+    conversion only)."""
+    if not options.reconstruct_steps:
+        return None, head_figures
+    conversion = head_figures(models.student, before=True)["next_token"]
+    started = time.perf_counter()
+    batches = reconstruction_batches(texts.train, tokenizer, options)
+    errors = reconstruct_layers(models.student, models.teacher, batches, options.reconstruct_steps)
+    reconstruction = Reconstruction(
+        sequences=options.reconstruct_sequences,
+        steps=options.reconstruct_steps,
+        learning_rate=RECONSTRUCTION_LEARNING_RATE,
+        seconds=time.perf_counter() - started,
+        layer_errors=errors,
+        conversion=conversion,
+    )
+    return reconstruction, functools.partial(head_figures, stream_rms=None)
 
 
 def _head_results(

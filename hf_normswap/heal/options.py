@@ -9,10 +9,12 @@ from ..sharding import ShardingOptions
 OBJECTIVES = ("hidden", "cka", "similarity", "mlm", "kl")
 SWAP_SCHEDULES = ("direct", "gate", "layers", "taper")
 DTYPES = ("float32", "bfloat16")
+RECONSTRUCTION_BATCH_SIZE = 16  # texts a step of the block-wise reconstruction sees
 
 
 # What a healing takes where an option is left open, by the student's head (a causal LM, or any other); chosen by
-# measurement: docs/experiments/healing.md.
+# measurement: docs/experiments/healing.md. A causal LM converted out of pre-LN with calibrated writes (a recorded
+# stream) and swapped directly has its layers fitted first (`FITTED_DEFAULTS`); any other student takes no fit.
 HEAD_DEFAULTS = {
     "causal-lm": {
         "objective": "kl",
@@ -29,6 +31,9 @@ HEAD_DEFAULTS = {
         "batch_size": 32,
     },
 }
+
+
+FITTED_DEFAULTS = {"reconstruct_steps": 30, "learning_rate": 1e-5}  # from a close start, 1e-4 undid the fit
 
 
 def _by_head(field: str) -> str:
@@ -90,10 +95,29 @@ class HealOptions(ShardingOptions):
             "help": "with --data teacher: sample this many texts once and repeat them; default: a new text every time"
         },
     )
+    reconstruct_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "out of pre-LN, before healing: fit each layer in turn to the teacher's stream after it, on the "
+            "layer's own inputs, this many Adam steps a layer (0: no fit); default: "
+            f"{FITTED_DEFAULTS['reconstruct_steps']} for a causal-LM student of a calibrated conversion out of pre-LN "
+            "with the direct swap, without lora or fsdp, else 0"
+        },
+    )
+    reconstruct_sequences: int = field(
+        default=128,
+        metadata={
+            "help": "with --reconstruct-steps: the texts the fit uses, the first of the training text (at least "
+            f"{RECONSTRUCTION_BATCH_SIZE}, one batch)"
+        },
+    )
     max_steps: int | None = field(default=None, metadata={"help": f"training steps; {_by_head('max_steps')}"})
     learning_rate: float | None = field(
         default=None,
-        metadata={"help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}"},
+        metadata={
+            "help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}, "
+            f"{FITTED_DEFAULTS['learning_rate']} after fitted layers"
+        },
     )
     batch_size: int | None = field(default=None, metadata={"help": f"texts per step; {_by_head('batch_size')}"})
     max_length: int = field(default=128, metadata={"help": "tokens per text at most"})
@@ -137,6 +161,7 @@ class HealOptions(ShardingOptions):
                 "swap_schedule='taper' is invalid with activation_checkpointing=True: its per-token stream is carried "
                 "from layer to layer, which recomputing one layer alone would not see"
             )
+        self._check_reconstruction()
         if self.sample_count is not None and self.sample_count < 1:
             raise HealError(f"sample_count={self.sample_count!r} is invalid: at least 1, or none for a stream")
         for name in ("learning_rate", "batch_size", "max_length", "eval_size", "sample_temperature", "sample_length"):
@@ -152,7 +177,38 @@ class HealOptions(ShardingOptions):
                 "away; with --lora the adapters and norms train in float32"
             )
 
-    def for_head(self, head: str) -> "HealOptions":
-        """These options with those left open set by `HEAD_DEFAULTS` for a student with `head`."""
-        defaults = HEAD_DEFAULTS["causal-lm" if head == "causal-lm" else "other"]
+    def _check_reconstruction(self) -> None:
+        if self.reconstruct_steps is None:
+            return
+        if not isinstance(self.reconstruct_steps, int) or self.reconstruct_steps < 0:
+            raise HealError(f"reconstruct_steps={self.reconstruct_steps!r} is invalid: 0 (no fit) or more")
+        if not self.reconstruct_steps:
+            return
+        if not isinstance(self.reconstruct_sequences, int) or self.reconstruct_sequences < RECONSTRUCTION_BATCH_SIZE:
+            raise HealError(
+                f"reconstruct_sequences={self.reconstruct_sequences!r} is too few for the fit: at least "
+                f"{RECONSTRUCTION_BATCH_SIZE}, one batch of its steps"
+            )
+        refused = {
+            "lora": "it fits the layers' own weights",
+            "fsdp": "it fits one layer at a time in one process",
+            "swap_schedule": "a gradual swap starts from the source's function, which the fitted layers no longer "
+            "compute; use swap_schedule='direct'",
+        }
+        for name, reason in refused.items():
+            value = getattr(self, name)
+            if value not in (False, "direct"):
+                raise HealError(f"reconstruct_steps is invalid with {name}={value!r}: {reason}")
+
+    def for_head(self, head: str, stream_recorded: bool = False) -> "HealOptions":
+        """These options with those left open set by `HEAD_DEFAULTS` for a student with `head`, and by
+        `FITTED_DEFAULTS` where a causal LM's conversion out of pre-LN recorded its source's stream
+        (`stream_recorded`)."""
+        defaults = dict(HEAD_DEFAULTS["causal-lm" if head == "causal-lm" else "other"])
+        if self.reconstruct_steps is None:
+            fits = head == "causal-lm" and stream_recorded and self.swap_schedule == "direct"
+            fits = fits and not (self.lora or self.fsdp)
+            defaults["reconstruct_steps"] = FITTED_DEFAULTS["reconstruct_steps"] if fits else 0
+        if (self.reconstruct_steps or defaults.get("reconstruct_steps")) and head == "causal-lm":
+            defaults["learning_rate"] = FITTED_DEFAULTS["learning_rate"]
         return replace(self, **{name: value for name, value in defaults.items() if getattr(self, name) is None})

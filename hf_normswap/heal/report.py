@@ -48,6 +48,20 @@ class NextTokenAgreement:
 
 
 @dataclass
+class Reconstruction:
+    """The block-wise reconstruction before healing: on how many texts, Adam steps a layer at which learning rate,
+    in how many seconds; each layer's mean squared error per feature to its target before and after its fit; the
+    conversion's figures through a causal-LM head before it (`NextTokenAgreement`'s, or None)."""
+
+    sequences: int
+    steps: int
+    learning_rate: float
+    seconds: float
+    layer_errors: list[list[float]]
+    conversion: dict | None
+
+
+@dataclass
 class HealReport:
     """heal.json: the settings, the teacher's collapse figures, the student's figures per boundary before and after
     (`measure`), the masked-LM losses where both have the head, the probe's history and the Trainer's log."""
@@ -75,6 +89,7 @@ class HealReport:
     lora: bool = False
     lora_rank: int | None = None  # with lora
     dtype: str = "float32"
+    reconstruction: Reconstruction | None = None
 
     FILE = "heal.json"
 
@@ -106,6 +121,11 @@ class HealReport:
                 f"; next-token KL {before['kl']:.3f} -> {after['kl']:.3f} nats/token, top-1 agreement "
                 f"{before['top1_agreement']:.3f} -> {after['top1_agreement']:.3f}, greedy agreement "
                 f"{before['greedy_agreement']:.3f} -> {after['greedy_agreement']:.3f}"
+            )
+        if self.reconstruction and self.reconstruction.conversion:
+            line += (
+                f" (the conversion's KL {self.reconstruction.conversion['kl']:.3f}, before the layers were fitted in "
+                f"{self.reconstruction.seconds:.0f} s)"
             )
         return line
 

@@ -2,6 +2,7 @@
 how often their most likely next tokens agree, and how much of their greedy continuations agree."""
 
 import math
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +23,29 @@ def next_token_agreement(source: torch.nn.Module, model: torch.nn.Module, batche
     """Over the real tokens of padded `batches`: the mean KL(source || model) of the next-token distributions in nats
     per token, overall and by the token's position in its text (`POSITION_BINS` that hold tokens: where the distance
     lives, the first tokens against the rest), and the fraction of tokens where both rank the same next token first."""
-    kl, positions, agree, device = [], [], 0, compute_device(model)
-    with evaluation_mode(source), evaluation_mode(model):
+    return agreement_with(next_token_log_probs(source, batches), model, batches)
+
+
+def next_token_log_probs(model: torch.nn.Module, batches: list[dict]) -> Iterator[torch.Tensor]:
+    """Per batch of padded `batches`, one at a time, `model`'s next-token log-probabilities at its real tokens
+    (tokens, vocabulary)."""
+    with torch.no_grad(), evaluation_mode(model):
         for batch in batches:
+            logits = model(**on_device(batch, model, TOKENS)).logits
+            yield F.log_softmax(logits[batch["attention_mask"].to(logits.device).bool()].float(), -1)
+
+
+@torch.no_grad()
+def agreement_with(expected: Iterable[torch.Tensor], model: torch.nn.Module, batches: list[dict]) -> dict:
+    """`next_token_agreement` against a source's `next_token_log_probs` on the same `batches`."""
+    kl, positions, agree, device = [], [], 0, compute_device(model)
+    with evaluation_mode(model):
+        for batch, source in zip(batches, expected, strict=True):
             mask = batch["attention_mask"].to(device)
-            real = mask.bool()
-            expected = F.log_softmax(source(**on_device(batch, source, TOKENS)).logits.to(device)[real].float(), -1)
+            real, source = mask.bool(), source.to(device)
             given = F.log_softmax(model(**on_device(batch, model, TOKENS)).logits[real].float(), -1)
-            kl.append(F.kl_div(given, expected, log_target=True, reduction="none").sum(-1))
-            agree += (given.argmax(-1) == expected.argmax(-1)).sum().item()
+            kl.append(F.kl_div(given, source, log_target=True, reduction="none").sum(-1))
+            agree += (given.argmax(-1) == source.argmax(-1)).sum().item()
             positions.append((mask.cumsum(-1) - 1)[real])
     kl, positions = torch.cat(kl), torch.cat(positions)
     bins = {name: (positions >= start) & (positions < end) for name, (start, end) in POSITION_BINS.items()}
