@@ -64,15 +64,22 @@ def _logits(model, input_ids):
         return model(input_ids).logits
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_stream_calibration_exact_when_every_token_has_the_calibrated_rms(llama, placement, tmp_path):
-    # One token per sequence, all the same: every token's stream RMS is the median the scales are fitted to.
+def _uncalibrated_on_one_token(llama, placement, tmp_path):
+    """The source, its conversion to `placement` without calibration, and a batch whose every token's stream RMS is
+    the median (one token per sequence, all the same)."""
     source = load_unswapped(str(llama / "llama"), head="causal-lm")
     convert_checkpoint(
         str(llama / "llama"), str(tmp_path / "shifted"), norm_placement=placement, attention="causal", calibrate=False
     )
     model = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "shifted").eval()
     batch = {"input_ids": torch.full((4, 1), 7), "attention_mask": torch.ones(4, 1, dtype=torch.long)}
+    return source, model, batch
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_stream_calibration_exact_when_every_token_has_the_calibrated_rms(llama, placement, tmp_path):
+    # One token per sequence, all the same: every token's stream RMS is the median the scales are fitted to.
+    source, model, batch = _uncalibrated_on_one_token(llama, placement, tmp_path)
     record = calibrate_stream(model, source, [batch])
     assert len(record.stream_rms) == 2 * 2 + 1 and len(record.write_scales) == 4
     expected = _logits(source, batch["input_ids"])
@@ -171,12 +178,7 @@ def test_kl_by_layer_swaps_each_layer_alone(llama, placement):
 def test_reconstruction_targets_are_the_students_stream_where_the_conversion_is_exact(llama, placement, tmp_path):
     # One token per sequence, all the same: the calibrated conversion computes the source's function exactly, so
     # each layer already gives the teacher's stream as the student's norms hold it, and a fit has nothing to move.
-    source = load_unswapped(str(llama / "llama"), head="causal-lm")
-    convert_checkpoint(
-        str(llama / "llama"), str(tmp_path / "shifted"), norm_placement=placement, attention="causal", calibrate=False
-    )
-    model = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "shifted").eval()
-    batch = {"input_ids": torch.full((4, 1), 7), "attention_mask": torch.ones(4, 1, dtype=torch.long)}
+    source, model, batch = _uncalibrated_on_one_token(llama, placement, tmp_path)
     calibrate_stream(model, source, [batch])
     errors = reconstruct_layers(model, source, [batch], steps=0)
     assert len(errors) == 2 and all(before == after <= 1e-10 for before, after in errors)

@@ -52,8 +52,13 @@ def recorded_stream_rms(variant: Path, needed_by: str) -> list[float]:
     """`conversion_stream_rms`, which `needed_by` (an option, as the user set it) needs."""
     stream_rms = conversion_stream_rms(variant)
     if stream_rms is None:
-        raise HealError(
-            f"{needed_by} needs a calibrated conversion out of pre-LN (post, pre_post or deepnorm); "
-            f"{variant}'s conversion.json records none"
-        )
+        raise missing_stream(variant, needed_by)
     return stream_rms
+
+
+def missing_stream(variant: Path, needed_by: str) -> HealError:
+    """The error of `needed_by` on VARIANT, whose conversion.json records no stream RMS."""
+    return HealError(
+        f"{needed_by} needs a calibrated conversion out of pre-LN (post, pre_post or deepnorm); "
+        f"{variant}'s conversion.json records none"
+    )

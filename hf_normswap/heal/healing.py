@@ -28,7 +28,7 @@ from ..probes.next_token import greedy_agreement, greedy_continuation, greedy_pr
 from ..sharding.fsdp import gathered, prepare_frozen, prepare_trained, resumable, unsharded
 from ..sharding.processes import is_main_process, processes
 from .data import HealTexts, heal_texts
-from .gradual_swap import GradualSwap, conversion_stream_rms, recorded_stream_rms
+from .gradual_swap import GradualSwap, conversion_stream_rms, missing_stream, recorded_stream_rms
 from .measure import masked_lm_loss, measure, teacher_states
 from .models import HealModels, load_models, memory_settings
 from .options import HealError, HealOptions
@@ -54,8 +54,8 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         stream_rms = recorded_stream_rms(Path(variant), f"swap_schedule={options.swap_schedule!r}")
     models = load_models(variant, options)
     options = options.for_head(head_of_config(models.student.config), stream_recorded=stream_rms is not None)
-    if options.reconstruct_steps:
-        recorded_stream_rms(Path(variant), f"reconstruct_steps={options.reconstruct_steps}")
+    if options.reconstruct_steps and stream_rms is None:
+        raise missing_stream(Path(variant), f"reconstruct_steps={options.reconstruct_steps}")
     if options.fsdp and options.data == "teacher" and options.sample_count is None:
         raise HealError("data='teacher' with fsdp=True needs sample_count: texts are sampled once, before sharding")
     if options.checkpoint_dir and not resumable(options):
