@@ -20,36 +20,52 @@ from transformers.utils import logging as transformers_logging
 from .compare.experiment import DEFAULT_EXPERIMENT, Experiment
 from .convert.options import ConvertOptions
 from .heal.options import HealOptions
-from .sharding.options import ShardingOptions
+from .sharding.options import flat_settings, with_sharding_section
 
 
 def add_options(parser: argparse.ArgumentParser, options: type, shown=None) -> None:
     """One `--name` option per field of the dataclass `options`: read by its annotation (or the field's `parse`
     metadata), with the field's `choices` shown (the dataclass checks them, as for a value read from a file) and its
-    `help`; the default shown is `shown`'s value (default: the field's). The sharding fields (`ShardingOptions`) come
-    last, in a group of their own. An option not given is None, so that the dataclass's own default applies."""
+    `help`; the default shown is `shown`'s value (default: the field's). A section (a field whose metadata names one,
+    such as `sharding`) gives its own fields' options, last, in a group of its own. An option not given is None, so
+    that the dataclass's own default applies."""
     hints = typing.get_type_hints(options)
-    sharding = {field.name for field in dataclasses.fields(ShardingOptions)}
-    group = parser.add_argument_group("sharding (FSDP2), mixed precision and activation checkpointing")
-    for field in sorted(dataclasses.fields(options), key=lambda field: field.name in sharding):
-        default = getattr(shown, field.name) if shown is not None else _default(field)
-        choices, help = field.metadata.get("choices"), field.metadata.get("help", "")
-        listed = typing.get_origin(_unwrapped(hints[field.name])) is list
-        metavar = "{" + ",".join(choices) + "}" + (",..." if listed else "") if choices else None
-        if "default:" not in help:  # a help that says its own default ("default: the source's") keeps it
-            help = f"{help} (default: {default})".lstrip()
-        help = help.replace("%", "%%")  # argparse formats help with %
-        flag, where = "--" + field.name.replace("_", "-"), group if field.name in sharding else parser
-        if hints[field.name] in (bool, bool | None):  # --name / --no-name; not given: None
-            where.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=help)
-            continue
-        read = field.metadata.get("parse") or _reader(hints[field.name])
-        where.add_argument(flag, dest=field.name, type=read, metavar=metavar, help=help)
+    for field in dataclasses.fields(options):
+        if "section" not in field.metadata:
+            _add_option(parser, field, hints[field.name], shown)
+    for field in _sections(options):
+        group = parser.add_argument_group(field.metadata["section"])
+        section_hints = typing.get_type_hints(hints[field.name])
+        for item in dataclasses.fields(hints[field.name]):
+            _add_option(group, item, section_hints[item.name], shown)
+
+
+def _add_option(where, field: dataclasses.Field, annotation, shown) -> None:
+    default = getattr(shown, field.name) if shown is not None else _default(field)
+    choices, help = field.metadata.get("choices"), field.metadata.get("help", "")
+    listed = typing.get_origin(_unwrapped(annotation)) is list
+    metavar = "{" + ",".join(choices) + "}" + (",..." if listed else "") if choices else None
+    if "default:" not in help:  # a help that says its own default ("default: the source's") keeps it
+        help = f"{help} (default: {default})".lstrip()
+    help = help.replace("%", "%%")  # argparse formats help with %
+    flag = "--" + field.name.replace("_", "-")
+    if annotation in (bool, bool | None):  # --name / --no-name; not given: None
+        where.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=help)
+        return
+    read = field.metadata.get("parse") or _reader(annotation)
+    where.add_argument(flag, dest=field.name, type=read, metavar=metavar, help=help)
+
+
+def _sections(options: type) -> list[dataclasses.Field]:
+    return [field for field in dataclasses.fields(options) if "section" in field.metadata]
 
 
 def given(args: argparse.Namespace, options: type) -> dict:
-    """The fields of `options` that were given on the command line."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(options) if getattr(args, f.name) is not None}
+    """The settings of `options` that were given on the command line, a section's named flat."""
+    hints = typing.get_type_hints(options)
+    names = [field.name for field in dataclasses.fields(options) if "section" not in field.metadata]
+    names += [item.name for field in _sections(options) for item in dataclasses.fields(hints[field.name])]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _default(field: dataclasses.Field):
@@ -204,7 +220,8 @@ def _run_heal(args) -> None:
         from .heal.plan import heal_plan
         from .sharding.memory_plan import describe_plan
 
-        print(describe_plan(heal_plan(args.variant, HealOptions(**given(args, HealOptions)), _processes(args))))
+        options = HealOptions(**with_sharding_section(given(args, HealOptions)))
+        print(describe_plan(heal_plan(args.variant, options, _processes(args))))
         return
     from .heal import heal_checkpoint
 
@@ -213,7 +230,7 @@ def _run_heal(args) -> None:
 
 def _add_compare(commands) -> None:
     embedded = Experiment.from_file(DEFAULT_EXPERIMENT)
-    shown = {name: ",".join(map(str, v)) if isinstance(v, list) else v for name, v in vars(embedded).items()}
+    shown = {name: ",".join(map(str, v)) if isinstance(v, list) else v for name, v in flat_settings(embedded).items()}
     parser = commands.add_parser(
         "compare",
         help="fine-tune variants through the Trainer and report",
@@ -237,7 +254,7 @@ def _run_compare(args) -> None:
 
     options = given(args, Experiment)
     base = args.config or (DEFAULT_EXPERIMENT if args.model is None else None)
-    experiment = Experiment.from_file(base, **options) if base else Experiment(**options)
+    experiment = Experiment.from_file(base, **options) if base else Experiment(**with_sharding_section(options))
     if args.plan:
         from .compare.plan import comparison_plan
         from .sharding.memory_plan import describe_plan

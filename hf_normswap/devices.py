@@ -11,3 +11,9 @@ def compute_device(model: torch.nn.Module) -> torch.device:
     if mesh is None or mesh.device_type == "cpu":
         return parameter.device
     return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def cpu_computes_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic of its own (AVX512-BF16 or AMX, read from torch's private probes);
+    without it, bfloat16 autocast on the CPU computes slower than float32 (docs/experiments/performance.md)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

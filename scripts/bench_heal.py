@@ -26,6 +26,7 @@ from hf_normswap import convert_checkpoint, heal_checkpoint, smollm2_gguf
 from hf_normswap.cli import add_options, given
 from hf_normswap.compare.comparison import default_model
 from hf_normswap.heal import HealOptions
+from hf_normswap.sharding import with_sharding_section
 
 
 def main() -> None:
@@ -41,7 +42,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     add_options(parser, HealOptions)
     args = parser.parse_args()
-    options = HealOptions(**given(args, HealOptions))
+    options = HealOptions(**with_sharding_section(given(args, HealOptions)))
 
     causal = args.model == "smollm2"
     args.placement = args.placement or ("post" if causal else "pre")

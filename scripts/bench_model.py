@@ -5,6 +5,7 @@ Prints tokens/s for a training step (forward + backward) and for inference, and 
 
     python scripts/bench_model.py                       # CPU, float32
     python scripts/bench_model.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 12 --batch-size 32
+    python scripts/bench_model.py --autocast            # float32 weights under bfloat16 autocast (as --bf16 trains)
 """
 
 import argparse
@@ -37,16 +38,17 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def tokens_per_second(model, input_ids, attention_mask, train: bool, steps: int, device: str) -> float:
+def tokens_per_second(model, input_ids, attention_mask, train: bool, args) -> float:
     model.train(train)
-    for _ in range(2):
-        step(model, input_ids, attention_mask, train)
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(model, input_ids, attention_mask, train)
-    synchronize(device)
-    return steps * input_ids.numel() / (time.perf_counter() - start)
+    with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.autocast):
+        for _ in range(2):
+            step(model, input_ids, attention_mask, train)
+        synchronize(args.device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step(model, input_ids, attention_mask, train)
+        synchronize(args.device)
+    return args.steps * input_ids.numel() / (time.perf_counter() - start)
 
 
 def step(model, input_ids, attention_mask, train: bool) -> None:
@@ -74,8 +76,8 @@ def compare(name, native, args) -> list[tuple[str, str, float, float, float]]:
     for mode, train in (("train step", True), ("inference", False)):
         native_runs, ours_runs = [], []
         for _ in range(args.repeats):
-            native_runs.append(tokens_per_second(native, input_ids, attention_mask, train, args.steps, args.device))
-            ours_runs.append(tokens_per_second(ours, input_ids, attention_mask, train, args.steps, args.device))
+            native_runs.append(tokens_per_second(native, input_ids, attention_mask, train, args))
+            ours_runs.append(tokens_per_second(ours, input_ids, attention_mask, train, args))
         native_speed, ours_speed = statistics.median(native_runs), statistics.median(ours_runs)
         rows.append((name, mode, native_speed, ours_speed, ours_speed / native_speed))
     print(f"{name}: max |difference| of last hidden states {same[attention_mask.bool()].abs().max().item():.2e}")
@@ -86,10 +88,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--autocast", action="store_true", help="run under bfloat16 autocast (the weights' dtype kept)"
+    )
     parser.add_argument("--attn-implementation", default="sdpa", choices=["eager", "sdpa"])
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--intermediate-size", type=int, help="default: 4 x hidden size")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=128)
@@ -103,7 +109,7 @@ def main() -> None:
         hidden_size=args.hidden_size,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        intermediate_size=4 * args.hidden_size,
+        intermediate_size=args.intermediate_size or 4 * args.hidden_size,
         max_position_embeddings=max(512, args.seq_length),
     )
     bert = BertModel._from_config(
@@ -123,7 +129,8 @@ def main() -> None:
         rows += compare(name, native.to(device=args.device, dtype=dtype), args)
 
     print(
-        f"\ndevice={args.device} dtype={args.dtype} attn={args.attn_implementation} hidden={args.hidden_size} "
+        f"\ndevice={args.device} dtype={args.dtype} autocast={args.autocast} attn={args.attn_implementation} "
+        f"hidden={args.hidden_size} "
         f"layers={args.layers} batch={args.batch_size} seq={args.seq_length} (median of {args.repeats})"
     )
     print(f"{'native model':46} {'mode':11} {'native tok/s':>13} {'normswap tok/s':>15} {'ratio':>6}")

@@ -20,6 +20,7 @@ from hf_normswap.compare.variants import Start, build_model
 from hf_normswap.heal.data import heal_texts
 from hf_normswap.heal.models import load_models
 from hf_normswap.heal.options import HealOptions
+from hf_normswap.sharding import ShardingOptions
 from hf_normswap.sharding.fsdp import gathered, loads_weights, prepare_frozen, prepare_trained
 from hf_normswap.sharding.processes import end_processes, processes
 
@@ -30,15 +31,21 @@ def holds_weights(model: torch.nn.Module) -> bool:
 
 def load_and_shard(variant: Path) -> dict:
     options = HealOptions(
-        fsdp=True, objective="kl", data="teacher", sample_count=6, sample_length=5, batch_size=2, max_steps=1
+        objective="kl",
+        data="teacher",
+        sample_count=6,
+        sample_length=5,
+        batch_size=2,
+        max_steps=1,
+        sharding=ShardingOptions(fsdp=True),
     )
     models = load_models(str(variant), options)
     loaded = {"student": holds_weights(models.student), "teacher": holds_weights(models.teacher)}
     texts = heal_texts(options=options, tokenizer=AutoTokenizer.from_pretrained(variant), teacher=models.teacher)
-    start, empty = Start(kind="converted", path=str(variant)), not loads_weights(options, trained=True)
+    start, empty = Start(kind="converted", path=str(variant)), not loads_weights(options.sharding, trained=True)
     loaded["compared"] = holds_weights(build_model(start, seed=0, num_labels=2, causal=True, empty=empty))
-    prepare_trained(models.student, options)
-    prepare_frozen(models.teacher, options)
+    prepare_trained(models.student, options.sharding)
+    prepare_frozen(models.teacher, options.sharding)
     with gathered(models.teacher):
         embeddings = models.teacher.get_input_embeddings().weight.tolist()
     return {"loaded": loaded, "texts": list(texts.train["input_ids"]), "teacher_embeddings": embeddings}

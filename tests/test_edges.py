@@ -2,6 +2,7 @@
 `push` on a Trainer's output, and misspelt experiment keys."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -18,6 +19,9 @@ from transformers import (
 
 from hf_normswap import NormSwapForCausalLM, convert_checkpoint
 from hf_normswap.cli import main as cli
+from hf_normswap.compare.experiment import Experiment
+from hf_normswap.sharding import ShardingOptions, flat_settings
+from hf_normswap.sharding.options import SECTION_TITLE
 
 from helpers import llama_tokenizer, save_source, tiny_config
 
@@ -266,3 +270,49 @@ def test_unknown_heal_setting_on_the_command_line_lists_the_allowed(tmp_path, ca
     assert error == (
         "hf-normswap compare: error: heal: unknown settings ['learning_rat'] (did you mean 'learning_rate'?)"
     )
+
+
+@pytest.mark.parametrize("command", ["convert", "heal", "compare"])
+def test_help_shows_each_default_once_choices_and_the_sharding_section_last(command, capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli([command, "--help"])
+    text = capsys.readouterr().out
+    options, _, section = text.split("options:", 1)[1].partition(SECTION_TITLE + ":")
+    for entry in re.split(r"\n  (?=--)", options + section):
+        assert entry.count("default:") <= 1, entry
+    if command == "convert":
+        assert not section
+        return
+    assert all(f"--{flag}" in section for flag in ("fsdp,", "fsdp-config", "bf16,", "activation-checkpointing,"))
+    assert "--fsdp" not in options and "--bf16" not in options
+    closed = {"heal": ["--objective {hidden,cka,similarity,mlm,kl}", "--dtype {float32,bfloat16}"]}
+    closed["compare"] = ["--norm-mapping {shift,keep,reset}", "--attention {bidirectional,causal}"]
+    assert all(choices in options for choices in closed[command]), options
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("variants: [post]\nsharding: {fsdpp: true}\n", "sharding: unknown settings ['fsdpp'] (allowed: fsdp, "),
+        ("variants: [post]\nsharding: yes\n", "sharding=True is invalid: a mapping of fsdp, fsdp_config, bf16, "),
+    ],
+)
+def test_a_bad_sharding_section_in_an_experiment_file_gets_one_line(tmp_path, capsys, text, message):
+    (tmp_path / "experiment.yaml").write_text(text)
+    error = one_line_error(capsys, ["compare", "--config", str(tmp_path / "experiment.yaml")])
+    assert error.startswith(f"hf-normswap compare: error: {message}"), error
+
+
+def test_sharding_settings_read_flat_or_as_a_section_alike(tmp_path):
+    """An experiment file may name the sharding settings flat (as the command line does) or in their section; the
+    command line's flat setting overrides the file's section."""
+    (tmp_path / "flat.yaml").write_text("variants: [post]\nbf16: true\nactivation_checkpointing: true\n")
+    (tmp_path / "section.yaml").write_text(
+        "variants: [post]\nsharding: {bf16: true, activation_checkpointing: true}\n"
+    )
+    flat, section = (Experiment.from_file(str(tmp_path / f"{name}.yaml")) for name in ("flat", "section"))
+    assert flat == section and flat.sharding == ShardingOptions(bf16=True, activation_checkpointing=True)
+    assert flat_settings(flat)["bf16"] is True and "sharding" not in flat_settings(flat)
+    overridden = Experiment.from_file(str(tmp_path / "section.yaml"), bf16=False)
+    assert overridden.sharding == ShardingOptions(bf16=False, activation_checkpointing=True)

@@ -10,6 +10,7 @@ from hf_normswap.compare.experiment import Experiment
 from hf_normswap.compare.plan import comparison_plan
 from hf_normswap.heal.options import HealOptions
 from hf_normswap.heal.plan import heal_plan
+from hf_normswap.sharding import ShardingOptions
 from hf_normswap.sharding.memory_plan import describe_plan
 
 from helpers import save_source
@@ -35,7 +36,7 @@ def test_heal_plan_counts_the_student_and_its_teacher_without_loading_them(tmp_p
     parameters = sum(parameter.numel() for parameter in source.parameters())
     hidden = source.config.hidden_size
     embeddings = source.get_input_embeddings().weight.numel() + hidden  # and the embedding norm post-LN adds there
-    plan = heal_plan(str(tmp_path / "post"), HealOptions(fsdp=True), processes=2)
+    plan = heal_plan(str(tmp_path / "post"), HealOptions(sharding=ShardingOptions(fsdp=True)), processes=2)
     assert plan.parameters == parameters  # NormSwap holds what the source holds
     assert plan.trainable_parameters == parameters - embeddings  # heal keeps the embeddings module frozen
     assert plan.optimizer_states == 2 * plan.gradients
@@ -50,7 +51,7 @@ def test_heal_plan_counts_the_student_and_its_teacher_without_loading_them(tmp_p
 
 def test_heal_plan_of_one_process_is_not_sharded_and_counts_lora_norms_only(tmp_path):
     variant_without_weights(tmp_path)
-    one = heal_plan(str(tmp_path / "post"), HealOptions(fsdp=True), processes=1)
+    one = heal_plan(str(tmp_path / "post"), HealOptions(sharding=ShardingOptions(fsdp=True)), processes=1)
     lora = heal_plan(str(tmp_path / "post"), HealOptions(lora=True), processes=1)
     assert not one.sharded and one.processes == 1
     norms = json.loads((tmp_path / "post" / "config.json").read_text())["hidden_size"] * 2 * 2
@@ -60,7 +61,9 @@ def test_heal_plan_of_one_process_is_not_sharded_and_counts_lora_norms_only(tmp_
 def test_compare_plan_reads_the_experiments_model(tmp_path, capsys):
     source = save_source(tmp_path / "bert", "bert", "Model")
     classifier = BertForSequenceClassification(source.config)  # what the comparison fine-tunes: 2 labels
-    plan = comparison_plan(Experiment(model=str(tmp_path / "bert"), fsdp=True, bf16=True), processes=4)
+    plan = comparison_plan(
+        Experiment(model=str(tmp_path / "bert"), sharding=ShardingOptions(fsdp=True, bf16=True)), processes=4
+    )
     assert plan.parameters == plan.trainable_parameters == classifier.num_parameters()
     assert plan.sharded and plan.bf16 and plan.teacher == 0
     assert main(["compare", "--model", str(tmp_path / "bert"), "--plan", "--processes", "4", "--fsdp", "--bf16"]) == 0

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 from hf_normswap import heal_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.sharding import ShardingOptions, fsdp
+from hf_normswap.sharding import ShardingOptions, fsdp, options
 from hf_normswap.sharding.options import ShardingError
 
 from helpers import (
@@ -215,6 +216,18 @@ def test_sharding_options_are_checked(variants, tmp_path, capsys):
     assert cli([*arguments[:-1], "--max-steps", "2"]) == 1  # the causal default data: texts sampled as they go
     assert "needs sample_count" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_bf16_on_a_cpu_without_bfloat16_arithmetic_warns(monkeypatch):
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(options, "cpu_computes_bfloat16", lambda: False)
+    with pytest.warns(UserWarning, match=r"bf16=True on a CPU without bfloat16 arithmetic of its own \(AVX512-BF16"):
+        ShardingOptions(bf16=True)
+    monkeypatch.setattr(options, "cpu_computes_bfloat16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardingOptions(bf16=True)
+        ShardingOptions()
 
 
 def test_the_fsdp_config_decides_who_reads_the_trained_model(tmp_path, monkeypatch):

@@ -1,7 +1,6 @@
 """Fine-tune variants of one model (norm placements, position schemes, the native class) through the Trainer: the
 comparison's steps, from the experiment to the report."""
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -11,6 +10,7 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import CheckpointError, read_tensors, weight_files
 from ..gguf import is_gguf, shipped_model, write_gguf_checkpoint
+from ..sharding import flat_settings
 from ..sharding.processes import processes, world_size
 from ..tasks import Task, load_task
 from .experiment import Experiment, Variant
@@ -209,10 +209,10 @@ def _local_source(model: str, output: Path) -> str:
 
 def _claim_output(output: Path, experiment: Experiment) -> None:
     """Records the experiment in OUTPUT, or checks that OUTPUT holds the same one (more seeds or variants are fine)."""
-    settings = {k: v for k, v in dataclasses.asdict(experiment).items() if k not in _RESUMABLE}
+    settings = {k: v for k, v in flat_settings(experiment).items() if k not in _RESUMABLE}
     record = output / "experiment.json"
     if record.exists():
-        previous, defaults = json.loads(record.read_text()), dataclasses.asdict(Experiment())
+        previous, defaults = json.loads(record.read_text()), flat_settings(Experiment())
         changed = sorted(k for k in settings if previous.get(k, defaults[k]) != settings[k])
         if changed:
             raise ValueError(

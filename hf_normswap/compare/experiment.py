@@ -17,7 +17,7 @@ from ..convert.norm_mapping import NORM_MAPPINGS
 from ..convert.options import ATTENTIONS
 from ..heal import HealOptions
 from ..model.configuration_normswap import INITIALIZERS, NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
-from ..sharding import ShardingOptions
+from ..sharding import ShardingOptions, sharding_section, with_sharding_section
 from ..tasks import DATA_DIR
 
 
@@ -29,11 +29,10 @@ TRACKERS = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available
 NUMBER_SETTINGS = ("learning_rate", "warmup_ratio")  # the numbers a variant may pin
 VARIANT_SETTINGS = (*NUMBER_SETTINGS, "initializer")  # what `VARIANT@field=value` may pin
 HEAL_SUFFIX = "+heal"  # `pre+heal`: the converted variant is healed before fine-tuning
-SHARDING_SETTINGS = tuple(field.name for field in dataclasses.fields(ShardingOptions))  # the comparison's own
 HEAL_SETTINGS = tuple(  # the comparison names the teacher (its model), the checkpoint folder and the sharding itself
     field.name
     for field in dataclasses.fields(HealOptions)
-    if field.name not in ("teacher", "checkpoint_dir", *SHARDING_SETTINGS)
+    if field.name not in ("teacher", "checkpoint_dir", "sharding")
 )
 _PATH_FIELDS = ("model", "tokenizer", "task", "data_dir")  # relative to the experiment file when found there
 
@@ -62,9 +61,9 @@ def _option(
 
 
 @dataclasses.dataclass
-class Experiment(ShardingOptions):
-    """What to compare and how to train (and the sharding of its trainings and healings: `ShardingOptions`); every
-    field is also a `--` option and a key of an experiment file."""
+class Experiment:
+    """What to compare and how to train, and the `sharding` section of its trainings and healings; every field, and
+    each of the section's, is also a `--` option and a key of an experiment file (`with_sharding_section`)."""
 
     model: str | None = _option(
         None,
@@ -155,6 +154,7 @@ class Experiment(ShardingOptions):
         Rule(_AT_LEAST_1.test, "every depth is at least 1"),
         distinct=True,
     )
+    sharding: ShardingOptions = sharding_section()
 
     @classmethod
     def from_file(cls, path: str, **overrides) -> "Experiment":
@@ -169,7 +169,7 @@ class Experiment(ShardingOptions):
             raise ValueError(f"experiment file {path}: {str(error).splitlines()[0]}") from None
         if not isinstance(fields, dict):
             raise ValueError(f"experiment file {path}: expected a mapping of field names to values")
-        hints = typing.get_type_hints(cls)
+        hints = {**typing.get_type_hints(ShardingOptions), **typing.get_type_hints(cls)}
         unknown = sorted(set(fields) - set(hints), key=str)
         if unknown:
             raise ValueError(f"experiment file {path}: {_unknown('key', unknown, hints)}")
@@ -180,15 +180,16 @@ class Experiment(ShardingOptions):
                 fields[name] = value = value.split(",")
             if name in _PATH_FIELDS and isinstance(value, str) and (path.parent / value).exists():
                 fields[name] = str(path.parent / value)
-        return cls(**{**fields, **{k: v for k, v in overrides.items() if v is not None}})
+        return cls(**with_sharding_section({**fields, **{k: v for k, v in overrides.items() if v is not None}}))
 
     def validate(self) -> list["Variant"]:
         """Checks every field, so that a bad value stops the comparison before any work, with a one-line error;
         returns the variants, parsed. Numbers given as text (`1e-5` in YAML, grid values on the command line) are
         read as numbers."""
-        hints = typing.get_type_hints(type(self))
-        for field in dataclasses.fields(self):
-            setattr(self, field.name, _read(field.name, getattr(self, field.name), hints[field.name]))
+        for owner in (self, self.sharding):
+            hints = typing.get_type_hints(type(owner))
+            for field in dataclasses.fields(owner):
+                setattr(owner, field.name, _read(field.name, getattr(owner, field.name), hints[field.name]))
         for field in dataclasses.fields(self):
             for value in _numbers(getattr(self, field.name)) if field.metadata.get("rule") else ():
                 _check(field.name, value)

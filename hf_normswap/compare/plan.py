@@ -15,4 +15,6 @@ def comparison_plan(experiment: Experiment, processes: int) -> MemoryPlan:
     config = NormSwapConfig.from_json_file(model) if model.endswith(".json") else source_config(model)
     head = "causal-lm" if experiment.task_type == "causal-lm" else "sequence-classification"
     config.architectures = [HEAD_CLASSES[head].__name__]
-    return plan_memory(config, processes=processes, sharded=experiment.fsdp and processes > 1, bf16=experiment.bf16)
+    return plan_memory(
+        config, processes=processes, sharded=experiment.sharding.fsdp and processes > 1, bf16=experiment.sharding.bf16
+    )

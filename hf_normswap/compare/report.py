@@ -1,12 +1,12 @@
 """The comparison report: statistics over seeds, paired differences, the settings search, collapse, healing, update
 size against depth, learning-rate sensitivity, failed runs, per-run configurations; markdown and JSON."""
 
-import dataclasses
 import json
 from pathlib import Path
 
 from ..convert.stream_mix import largest_layers
 from ..probes.collapse import COLLAPSE_MARGIN, POOLINGS
+from ..sharding import flat_settings
 from ..tasks import Task
 from .experiment import Experiment
 from .plots import write_plots
@@ -53,7 +53,7 @@ def write_report(
     selection_metric = "loss" if experiment.task_type == "causal-lm" else "accuracy"  # as the settings search's
     sensitivity = learning_rate_sensitivity(results, metric=selection_metric)
     document = {
-        "experiment": dataclasses.asdict(experiment),
+        "experiment": flat_settings(experiment),
         "task": _task_record(experiment, task),
         "search": search,
         "summary": {

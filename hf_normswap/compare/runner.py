@@ -121,9 +121,9 @@ class Runner:
     def build(self, start: Start, seed: int) -> tuple[torch.nn.Module, list[float] | None]:
         """A run's model (see `build_model`) with the tokenizer's pad token, and Admin's residual weights as profiled
         on `first_batch` after the seeded initialisation for a configuration with Admin layers (else None)."""
-        empty = not loads_weights(self.experiment, trained=True)  # sharded, the main process alone reads it
+        empty = not loads_weights(self.experiment.sharding, trained=True)  # sharded, the main process alone reads it
         model = build_model(start=start, seed=seed, num_labels=self.task.num_labels, causal=self.causal, empty=empty)
-        if sharded(self.experiment) and start.kind != "config":
+        if sharded(self.experiment.sharding) and start.kind != "config":
             take_main_dtypes(model)
         if model.config.pad_token_id is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -131,7 +131,7 @@ class Runner:
 
     def _train(self, start, variant, seed, point, train, evaluation, run_dir: Path) -> RunResult:
         model, admin_profile = self.build(start, seed)
-        prepare_trained(model, self.experiment)  # sharded across the processes with `fsdp` (on CPU; see `sharding`)
+        prepare_trained(model, self.experiment.sharding)  # sharded across the processes with `fsdp` (on CPU)
         args = self._arguments(point, seed, run_dir, model)
         probe = self.collator([evaluation[i] for i in range(min(PROBE_SIZE, len(evaluation)))])
         probe = {name: values.tolist() for name, values in probe.items()}
@@ -190,7 +190,7 @@ class Runner:
             restore_callback_states_from_checkpoint=True,
             use_cpu=not torch.accelerator.is_available(),
         )
-        return TrainingArguments(**{**arguments, **trainer_arguments(experiment, model)})
+        return TrainingArguments(**{**arguments, **trainer_arguments(experiment.sharding, model)})
 
     def _final_metrics(self, history: list[dict]) -> tuple[dict, bool]:
         """The last evaluation's figures, and whether the run failed."""

@@ -19,10 +19,9 @@ from ..model.admin import profile_admin
 from ..model.configuration_normswap import NormSwapConfig, mix_ln_placement
 from ..model.heads import head_of_config
 from ..model.modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
-from ..sharding import ShardingOptions
 from ..sharding.fsdp import resumable
 from ..tasks import Task
-from .experiment import SHARDING_SETTINGS, Experiment, Variant
+from .experiment import Experiment, Variant
 
 
 HEAL_SUMMARY = (  # what a comparison keeps of a healing's heal.json, beside its first and last measurements
@@ -133,8 +132,7 @@ def _healed(model: str, variant: Variant, task: Task, experiment: Experiment, ou
     )
     folder = output / "variants" / variant.start_folder
     if not (folder / HealReport.FILE).exists():
-        sharding = {name: getattr(experiment, name) for name in SHARDING_SETTINGS}
-        resumable_healing = resumable(ShardingOptions(**sharding))
+        resumable_healing = resumable(experiment.sharding)
         heal_checkpoint(
             variant=converted.path,
             output=str(folder),
@@ -142,7 +140,7 @@ def _healed(model: str, variant: Variant, task: Task, experiment: Experiment, ou
             checkpoint_dir=str(output / "healing" / variant.start_folder) if resumable_healing else None,
             overwrite=True,
             log=None,
-            **{"packing": experiment.packing, **(experiment.heal or {}), **sharding},
+            **{"packing": experiment.packing, **(experiment.heal or {}), "sharding": experiment.sharding},
         )
     record = HealReport.read(folder)
     summary = {key: record.get(key) for key in HEAL_SUMMARY}  # a heal.json of an older version lacks some

@@ -155,8 +155,8 @@ def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -
     if options.sample_count is None:
         return stream
     ids = None
-    if loads_weights(options):
+    if loads_weights(options.sharding):
         ids = torch.tensor([row["input_ids"] for row in itertools.islice(stream, options.sample_count)])
-    if sharded(options):
+    if sharded(options.sharding):
         ids = from_main_process(ids, shape=(options.sample_count, options.sample_length))
     return Dataset.from_list([{"input_ids": row, "attention_mask": [1] * len(row)} for row in ids.tolist()])

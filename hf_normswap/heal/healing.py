@@ -25,6 +25,7 @@ from ..model import copy_remote_code
 from ..model.heads import head_of_config
 from ..probes.collapse import collapse_of_states
 from ..probes.next_token import greedy_agreement, greedy_continuation, greedy_prompts, next_token_agreement
+from ..sharding import with_sharding_section
 from ..sharding.fsdp import gathered, prepare_frozen, prepare_trained, resumable, unsharded
 from ..sharding.processes import is_main_process, processes
 from .data import HealTexts, heal_texts
@@ -40,14 +41,14 @@ from .trainer import HealProbeCallback, HealTrainer, training_arguments
 def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=print, **options) -> dict:
     """Heals the NormSwap checkpoint VARIANT into OUTPUT (same format, plus heal.json and heal.png); returns heal.json.
 
-    `options` are the fields of `HealOptions`. With `checkpoint_dir`, the Trainer keeps resumable checkpoints there
-    and a rerun continues from the last one. With `packing`, student and teacher run on padding-free batches. With
-    `dropout`, the student trains with the dropout of its configuration, else with none (saved unchanged). With
-    `freeze_embeddings`, the student's embeddings (and a masked-LM decoder tied to them) are not trained. With `fsdp`
-    under a distributed launch, student and teacher are sharded across the processes (`sharding`); the main process
-    writes.
+    `options` are the fields of `HealOptions`, its sharding section's named flat (`fsdp=True`). With
+    `checkpoint_dir`, the Trainer keeps resumable checkpoints there and a rerun continues from the last one. With
+    `packing`, student and teacher run on padding-free batches. With `dropout`, the student trains with the dropout of
+    its configuration, else with none (saved unchanged). With `freeze_embeddings`, the student's embeddings (and a
+    masked-LM decoder tied to them) are not trained. With `fsdp` under a distributed launch, student and teacher are
+    sharded across the processes (`sharding`); the main process writes.
     """
-    options = HealOptions(**options)
+    options = HealOptions(**with_sharding_section(options))
     check_output(output, overwrite)
     stream_rms = conversion_stream_rms(Path(variant))
     if options.swap_schedule != "direct":
@@ -56,16 +57,16 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     options = options.for_head(head_of_config(models.student.config), stream_recorded=stream_rms is not None)
     if options.reconstruct_steps and stream_rms is None:
         raise missing_stream(Path(variant), f"reconstruct_steps={options.reconstruct_steps}")
-    if options.fsdp and options.data == "teacher" and options.sample_count is None:
+    if options.sharding.fsdp and options.data == "teacher" and options.sample_count is None:
         raise HealError("data='teacher' with fsdp=True needs sample_count: texts are sampled once, before sharding")
-    if options.checkpoint_dir and not resumable(options):
+    if options.checkpoint_dir and not resumable(options.sharding):
         raise HealError(
             "checkpoint_dir is invalid with fsdp=True on CPU: the Trainer cannot resume a model sharded there"
         )
     tokenizer = AutoTokenizer.from_pretrained(variant)
     texts = heal_texts(options=options, tokenizer=tokenizer, teacher=models.teacher)
-    prepare_trained(models.student, options)
-    prepare_frozen(models.teacher, options)
+    prepare_trained(models.student, options.sharding)
+    prepare_frozen(models.teacher, options.sharding)
     main = is_main_process()
     log = log if main else None
     with output_folder(output, overwrite) if main else _scratch_folder() as staging:

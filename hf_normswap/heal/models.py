@@ -67,7 +67,9 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
         raise HealError(f"{variant}: not a checkpoint folder (no config.json)")
     teacher_id = resolve_teacher(folder, options.teacher)
     dtype = getattr(torch, options.dtype)
-    student, configured_dropout = _load_student(folder, options, empty=not loads_weights(options, trained=True))
+    student, configured_dropout = _load_student(
+        folder, options, empty=not loads_weights(options.sharding, trained=True)
+    )
     head = head_of_config(student.config)
     options = options.for_head(head)
     if options.objective in LANGUAGE_OBJECTIVES and head != LANGUAGE_OBJECTIVES[options.objective]:
@@ -76,7 +78,11 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
     if options.data == "teacher" and head != "causal-lm":
         raise HealError(f"--data teacher needs a causal-LM teacher that generates; {variant} has the {head!r} head")
     teacher, masked_lm = _load_teacher(
-        teacher_id, student_head=head, objective=options.objective, dtype=dtype, empty=not loads_weights(options)
+        teacher_id,
+        student_head=head,
+        objective=options.objective,
+        dtype=dtype,
+        empty=not loads_weights(options.sharding),
     )
     for field in SHARED_FIELDS:
         ours, theirs = getattr(student.config, field), getattr(teacher.config, field, None)

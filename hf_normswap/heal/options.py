@@ -3,7 +3,7 @@ checks."""
 
 from dataclasses import dataclass, field, replace
 
-from ..sharding import ShardingOptions
+from ..sharding import ShardingOptions, sharding_section
 
 
 OBJECTIVES = ("hidden", "cka", "similarity", "mlm", "kl")
@@ -47,8 +47,9 @@ class HealError(ValueError):
 
 
 @dataclass
-class HealOptions(ShardingOptions):
-    """The teacher, the text and the training of a healing (and its sharding: `ShardingOptions`)."""
+class HealOptions:
+    """The teacher, the text and the training of a healing, and its `sharding` section (`ShardingOptions`, whose
+    settings are named flat where they are given: `with_sharding_section`)."""
 
     teacher: str | None = field(
         default=None,
@@ -145,10 +146,10 @@ class HealOptions(ShardingOptions):
             "help": "the dtype student and teacher are loaded in, and the student saves in; bfloat16 needs --lora",
         },
     )
+    sharding: ShardingOptions = sharding_section()
 
     def __post_init__(self):
-        super().__post_init__()
-        if self.fsdp and self.lora:
+        if self.sharding.fsdp and self.lora:
             raise HealError("lora=True is invalid with fsdp=True: adapters are not sharded; heal with one of them")
         if self.objective not in (None, *OBJECTIVES):
             raise HealError(f"objective={self.objective!r} is invalid: allowed are {list(OBJECTIVES)}")
@@ -156,7 +157,7 @@ class HealOptions(ShardingOptions):
             raise HealError(f"max_steps={self.max_steps!r} is invalid: at least 1")
         if self.swap_schedule not in SWAP_SCHEDULES:
             raise HealError(f"swap_schedule={self.swap_schedule!r} is invalid: allowed are {list(SWAP_SCHEDULES)}")
-        if self.swap_schedule == "taper" and self.activation_checkpointing:
+        if self.swap_schedule == "taper" and self.sharding.activation_checkpointing:
             raise HealError(
                 "swap_schedule='taper' is invalid with activation_checkpointing=True: its per-token stream is carried "
                 "from layer to layer, which recomputing one layer alone would not see"
@@ -190,13 +191,15 @@ class HealOptions(ShardingOptions):
                 f"{RECONSTRUCTION_BATCH_SIZE}, one batch of its steps"
             )
         refused = {
-            "lora": "it fits the layers' own weights",
-            "fsdp": "it fits one layer at a time in one process",
-            "swap_schedule": "a gradual swap starts from the source's function, which the fitted layers no longer "
-            "compute; use swap_schedule='direct'",
+            "lora": (self.lora, "it fits the layers' own weights"),
+            "fsdp": (self.sharding.fsdp, "it fits one layer at a time in one process"),
+            "swap_schedule": (
+                self.swap_schedule,
+                "a gradual swap starts from the source's function, which the fitted layers no longer compute; use "
+                "swap_schedule='direct'",
+            ),
         }
-        for name, reason in refused.items():
-            value = getattr(self, name)
+        for name, (value, reason) in refused.items():
             if value not in (False, "direct"):
                 raise HealError(f"reconstruct_steps is invalid with {name}={value!r}: {reason}")
 
@@ -207,7 +210,7 @@ class HealOptions(ShardingOptions):
         defaults = dict(HEAD_DEFAULTS["causal-lm" if head == "causal-lm" else "other"])
         if self.reconstruct_steps is None:
             fits = head == "causal-lm" and stream_recorded and self.swap_schedule == "direct"
-            fits = fits and not (self.lora or self.fsdp)
+            fits = fits and not (self.lora or self.sharding.fsdp)
             defaults["reconstruct_steps"] = FITTED_DEFAULTS["reconstruct_steps"] if fits else 0
         if (self.reconstruct_steps or defaults.get("reconstruct_steps")) and head == "causal-lm":
             defaults["learning_rate"] = FITTED_DEFAULTS["learning_rate"]

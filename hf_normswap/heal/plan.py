@@ -28,9 +28,9 @@ def heal_plan(variant: str, options: HealOptions, processes: int) -> MemoryPlan:
     return plan_memory(
         student,
         processes=processes,
-        sharded=options.fsdp and processes > 1,
+        sharded=options.sharding.fsdp and processes > 1,
         dtype=options.dtype,
-        bf16=options.bf16,
+        bf16=options.sharding.bf16,
         teacher_config=teacher,
         trainable=trainable,
     )

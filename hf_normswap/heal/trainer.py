@@ -100,7 +100,7 @@ def training_arguments(
         disable_tqdm=quiet,
         use_cpu=not torch.accelerator.is_available(),
     )
-    return TrainingArguments(**{**arguments, **trainer_arguments(options, student)})
+    return TrainingArguments(**{**arguments, **trainer_arguments(options.sharding, student)})
 
 
 class HealProbeCallback(TrainerCallback):

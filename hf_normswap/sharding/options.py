@@ -1,11 +1,15 @@
 """How a training is spread over the processes of a distributed launch: one declaration for heal's and compare's
-options, the experiment's keys and the checks."""
+options, the experiment's keys and the checks; the `sharding` section of `HealOptions` and `Experiment`."""
 
 import json
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import torch
 from accelerate.utils import str_to_bool
+
+from ..devices import cpu_computes_bfloat16
 
 
 class ShardingError(ValueError):
@@ -43,6 +47,12 @@ class ShardingOptions:
         if self.fsdp_config is not None and not self.fsdp:
             raise ShardingError(f"fsdp_config={self.fsdp_config!r} needs fsdp: pass --fsdp too")
         self.fsdp_config_fields()
+        if self.bf16 and not torch.accelerator.is_available() and not cpu_computes_bfloat16():
+            warnings.warn(
+                "bf16=True on a CPU without bfloat16 arithmetic of its own (AVX512-BF16 or AMX): it trains slower "
+                "than float32 there",
+                stacklevel=2,
+            )
 
     def fsdp_config_fields(self) -> dict:
         """The Trainer's `fsdp_config` as the `fsdp_config` JSON file gives it ({} without one), its keys as the
@@ -70,3 +80,34 @@ class ShardingOptions:
         """Whether accelerate's FSDP2 hands the trained model's weights from the main process to the others
         (`cpu_ram_efficient_loading`: on unless the `fsdp_config` file turns it off)."""
         return self.fsdp_config_fields().get("cpu_ram_efficient_loading", True)
+
+
+SHARDING_SETTINGS = tuple(item.name for item in fields(ShardingOptions))
+SECTION_TITLE = "sharding (FSDP2), mixed precision and activation checkpointing"
+
+
+def sharding_section() -> ShardingOptions:
+    """The `sharding` field of an options dataclass: its settings are named flat where the options are given (the
+    command line, `heal_checkpoint`'s keywords, an experiment file), grouped in `--help` under `SECTION_TITLE`."""
+    return field(default_factory=ShardingOptions, metadata={"section": SECTION_TITLE})
+
+
+def with_sharding_section(settings: dict) -> dict:
+    """Flat `settings` with the sharding ones (`SHARDING_SETTINGS`) moved into their `sharding` section (which may
+    also be given, as `ShardingOptions` or a mapping, as `dataclasses.asdict` writes it)."""
+    section = settings.get("sharding") or {}
+    section = asdict(section) if isinstance(section, ShardingOptions) else section
+    if not isinstance(section, dict):
+        raise ShardingError(f"sharding={section!r} is invalid: a mapping of {', '.join(SHARDING_SETTINGS)}")
+    unknown = sorted(set(section) - set(SHARDING_SETTINGS), key=str)
+    if unknown:
+        raise ShardingError(f"sharding: unknown settings {unknown} (allowed: {', '.join(SHARDING_SETTINGS)})")
+    section = {**section, **{name: settings[name] for name in SHARDING_SETTINGS if name in settings}}
+    rest = {name: value for name, value in settings.items() if name not in (*SHARDING_SETTINGS, "sharding")}
+    return {**rest, "sharding": ShardingOptions(**section)}
+
+
+def flat_settings(options) -> dict:
+    """The settings of an options dataclass as they are named where given: its `sharding` section's fields flat."""
+    settings = {item.name: getattr(options, item.name) for item in fields(options) if item.name != "sharding"}
+    return {**settings, **asdict(options.sharding)}
