@@ -16,7 +16,7 @@ from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.convert.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.heal import HealError, HealOptions, losses
-from hf_normswap.heal.data import teacher_samples
+from hf_normswap.heal.data import SAMPLED_TOGETHER, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
 from hf_normswap.heal.reconstruction import reconstruct_layers
 from hf_normswap.hub.card import build_card
@@ -274,7 +274,21 @@ def test_teacher_samples_are_distinct(llama):
     rows = teacher_samples(teacher, tokenizer, options)
     sequences = {tuple(row["input_ids"]) for row in rows}
     assert len(rows) == 12 and len(sequences) == 12
-    assert all(len(row["input_ids"]) == 10 and row["input_ids"][0] == tokenizer.bos_token_id for row in rows)
+    assert all(len(row["input_ids"]) == 10 for row in rows)
+    torch.manual_seed(0)  # the first group's seed: each text sampled after BOS, every second one without it
+    bos = torch.full((SAMPLED_TOGETHER, 1), tokenizer.bos_token_id)
+    sampled = teacher.generate(
+        bos,
+        attention_mask=torch.ones_like(bos),
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=10,
+        min_new_tokens=10,
+    ).tolist()
+    assert [row["input_ids"] for row in rows] == [
+        text[1:] if i % 2 else text[:-1] for i, text in enumerate(sampled[:12])
+    ]
     stream = iter(teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10, batch_size=5)))
     streamed = [tuple(next(stream)["input_ids"]) for _ in range(40)]  # past the first seeded group of 32
     assert len(set(streamed)) == 40 and streamed[:12] == [tuple(row["input_ids"]) for row in rows]

@@ -114,9 +114,11 @@ SAMPLED_TOGETHER = 32  # texts one seeded generation samples: what is sampled de
 
 
 class TeacherSamples(torch.utils.data.IterableDataset):
-    """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`, each started
-    from the token `start`, `SAMPLED_TOGETHER` at a time; each group seeded by its index (the global generator is left
-    as it was), so that no text repeats and a run can be reproduced, whatever its batch size and process count."""
+    """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`, each sampled
+    after the token `start`, `SAMPLED_TOGETHER` at a time; each group seeded by its index (the global generator is left
+    as it was), so that no text repeats and a run can be reproduced, whatever its batch size and process count. Every
+    second text leaves `start` out and begins at its first sampled token, so that the student learns both ways a text
+    reaches the model: after BOS (a chat template) and without it (a tokenizer that adds none)."""
 
     def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions):
         self.teacher, self.start, self.pad, self.options = teacher, start, pad, options
@@ -134,18 +136,19 @@ class TeacherSamples(torch.utils.data.IterableDataset):
                     temperature=options.sample_temperature,
                     top_k=0,
                     top_p=1.0,
-                    min_new_tokens=options.sample_length - 1,
-                    max_new_tokens=options.sample_length - 1,
+                    min_new_tokens=options.sample_length,
+                    max_new_tokens=options.sample_length,
                     pad_token_id=self.pad,
                 )
-            for row in ids.tolist():
+            for index, row in enumerate(ids.tolist()):
+                row = row[1:] if index % 2 else row[:-1]
                 yield {"input_ids": row, "attention_mask": [1] * len(row)}
 
 
 def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> Dataset | TeacherSamples:
-    """Texts sampled from the teacher, each started from BOS (else EOS): `sample_count` of them sampled once (when
-    sharded, by the main process, which alone holds the teacher's weights, for every process), or else an endless
-    stream (`TeacherSamples`)."""
+    """Texts sampled from the teacher after BOS (else EOS), every second one without it: `sample_count` of them
+    sampled once (when sharded, by the main process, which alone holds the teacher's weights, for every process), or
+    else an endless stream (`TeacherSamples`)."""
     if not callable(getattr(teacher, "generate", None)):
         raise HealError("--data teacher needs a teacher that generates (a causal LM); the teacher has no such head")
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
