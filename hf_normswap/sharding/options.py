@@ -51,7 +51,7 @@ class ShardingOptions:
             warnings.warn(
                 "bf16=True on a CPU without bfloat16 arithmetic of its own (AVX512-BF16 or AMX): it trains slower "
                 "than float32 there",
-                stacklevel=2,
+                stacklevel=3,  # past the dataclass's generated __init__, to whoever built the options
             )
 
     def fsdp_config_fields(self) -> dict:
