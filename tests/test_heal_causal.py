@@ -16,7 +16,7 @@ from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.convert.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.heal import HealError, HealOptions, losses
-from hf_normswap.heal.data import SAMPLED_TOGETHER, teacher_samples
+from hf_normswap.heal.data import sampled_together, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
 from hf_normswap.heal.reconstruction import reconstruct_layers
 from hf_normswap.hub.card import build_card
@@ -276,7 +276,7 @@ def test_teacher_samples_are_distinct(llama):
     assert len(rows) == 12 and len(sequences) == 12
     assert all(len(row["input_ids"]) == 10 for row in rows)
     torch.manual_seed(0)  # the first group's seed: each text sampled after BOS, every second one without it
-    bos = torch.full((SAMPLED_TOGETHER, 1), tokenizer.bos_token_id)
+    bos = torch.full((sampled_together(torch.device("cpu")), 1), tokenizer.bos_token_id)
     sampled = teacher.generate(
         bos,
         attention_mask=torch.ones_like(bos),

@@ -110,12 +110,15 @@ def _tokenize(rows: Dataset, columns: list[str], tokenizer, max_length: int, nam
     return encoded.remove_columns("special_tokens_mask")
 
 
-SAMPLED_TOGETHER = 32  # texts one seeded generation samples: what is sampled depends on no batch size or process count
+def sampled_together(device: torch.device) -> int:
+    """How many texts one seeded generation samples on `device`, whatever the batch size or process count: 32 on a
+    CPU, 1024 on an accelerator, whose decoding steps wait on Python rather than on their arithmetic."""
+    return 32 if device.type == "cpu" else 1024
 
 
 class TeacherSamples(torch.utils.data.IterableDataset):
     """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`, each sampled
-    after the token `start`, `SAMPLED_TOGETHER` at a time; each group seeded by its index (the global generator is left
+    after the token `start`, `sampled_together` at a time; each group seeded by its index (the global generator is left
     as it was), so that no text repeats and a run can be reproduced, whatever its batch size and process count. Every
     second text leaves `start` out and begins at its first sampled token, so that the student learns both ways a text
     reaches the model: after BOS (a chat template) and without it (a tokenizer that adds none)."""
@@ -128,7 +131,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         for group in itertools.count():
             with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
                 torch.manual_seed(group)
-                starts = torch.full((SAMPLED_TOGETHER, 1), self.start, device=device)
+                starts = torch.full((sampled_together(device), 1), self.start, device=device)
                 ids = self.teacher.generate(
                     starts,
                     attention_mask=torch.ones_like(starts),

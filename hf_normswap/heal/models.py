@@ -22,7 +22,8 @@ from ..gguf import is_gguf, shipped_model
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, empty_model, head_of_config
 from ..model.norms_normswap import NormSwapDyT, NormSwapRMSNorm
-from ..sharding.fsdp import loads_weights
+from ..sharding.fsdp import loads_weights, sharded
+from ..sharding.processes import processes
 from .lora import merged, with_adapters
 from .options import HealError, HealOptions
 
@@ -61,7 +62,7 @@ class HealModels:
 
 def load_models(variant: str, options: HealOptions) -> HealModels:
     """The student VARIANT (embeddings frozen with `freeze_embeddings`) and its teacher, checked to fit each other
-    and the objective."""
+    and the objective; unsharded, both on the launch's device (an accelerator if there is one)."""
     folder = Path(variant)
     if not (folder / "config.json").exists():
         raise HealError(f"{variant}: not a checkpoint folder (no config.json)")
@@ -88,6 +89,8 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
         ours, theirs = getattr(student.config, field), getattr(teacher.config, field, None)
         if ours != theirs:
             raise HealError(f"teacher {teacher_id}: {field} {theirs} differs from the student's {ours}")
+    if not sharded(options.sharding):  # where the Trainer will train: the fit and the sampling run there too
+        student, teacher = student.to(processes().device), teacher.to(processes().device)
     return HealModels(
         student=student,
         configured_dropout=configured_dropout,

@@ -1,0 +1,69 @@
+"""Healing a causal LM on a GPU, one process: the two models are placed there when they load, so that the block-wise
+fit, the held-out measurements and the teacher's sampling run there too, not only the Trainer's steps. CI has no GPU,
+so these tests are skipped there; on a machine with one: `python -m pytest tests/test_heal_gpu.py`."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hf_normswap import convert_checkpoint, heal_checkpoint
+from hf_normswap.convert import load_unswapped
+from hf_normswap.heal import HealOptions
+from hf_normswap.heal.data import sampled_together, teacher_samples
+from hf_normswap.heal.models import load_models
+
+from helpers import save_source
+
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+GPU = torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny pre-LN LLaMA with a tokenizer and its calibrated post-LN conversion."""
+    folder = tmp_path_factory.mktemp("causal-gpu")
+    save_source(folder / "llama", "llama", "ForCausalLM", initializer_range=0.2)
+    convert_checkpoint(
+        str(folder / "llama"), str(folder / "post"), norm_placement="post", attention="causal", log=lambda line: None
+    )
+    return folder
+
+
+def test_unsharded_models_load_onto_the_gpu(llama):
+    models = load_models(str(llama / "post"), HealOptions())
+    assert {parameter.device for parameter in models.student.parameters()} == {GPU}
+    assert {parameter.device for parameter in models.teacher.parameters()} == {GPU}
+
+
+def test_a_gpu_samples_1024_texts_a_seeded_group(llama):
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm").to(GPU)
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    rows = teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_count=1030, sample_length=10))
+    assert sampled_together(GPU) == 1024 and len({tuple(row) for row in rows["input_ids"]}) == 1030
+    with torch.random.fork_rng(devices=[GPU]):
+        torch.manual_seed(0)  # the first group's seed
+        bos = torch.full((1024, 1), tokenizer.bos_token_id, device=GPU)
+        settings = dict(do_sample=True, top_k=0, top_p=1.0, max_new_tokens=10, min_new_tokens=10)
+        sampled = teacher.generate(bos, attention_mask=torch.ones_like(bos), **settings).tolist()
+    expected = [text[1:] if i % 2 else text[:-1] for i, text in enumerate(sampled)]
+    assert rows["input_ids"][:1024] == expected
+
+
+def test_a_healing_fits_and_trains_on_the_gpu(llama):
+    report = heal_checkpoint(
+        str(llama / "post"),
+        str(llama / "healed"),
+        max_steps=16,
+        learning_rate=1e-3,
+        batch_size=8,
+        eval_size=16,
+        log=None,
+    )
+    reconstruction, next_token = report["reconstruction"], report["next_token"]
+    assert reconstruction["steps"] == 30 and all(after < before for before, after in reconstruction["layer_errors"])
+    assert next_token["before"]["kl"] < 0.99 * reconstruction["conversion"]["kl"]  # the fit brought it closer
+    losses = [entry["loss"] for entry in report["log_history"] if "loss" in entry]
+    assert len(losses) == 16 and losses[-1] < 0.9 * losses[0]  # it trained (on CPU: 0.202 -> 0.129)
+    assert 0.0 < next_token["after"]["kl"] < 1.0 and 0.0 <= next_token["after"]["top1_agreement"] <= 1.0
