@@ -2,7 +2,7 @@
 launch's processes (`processes`), the sharding (`fsdp`) and the workarounds of private internals it needs
 (`private_internals`)."""
 
-from .options import SHARDING_SETTINGS, ShardingOptions, flat_settings, sharding_section, with_sharding_section
+from .options import ShardingOptions, flat_settings, sharding_section, with_sharding_section
 
 
-__all__ = ["SHARDING_SETTINGS", "ShardingOptions", "flat_settings", "sharding_section", "with_sharding_section"]
+__all__ = ["ShardingOptions", "flat_settings", "sharding_section", "with_sharding_section"]

@@ -86,7 +86,7 @@ SHARDING_SETTINGS = tuple(item.name for item in fields(ShardingOptions))
 SECTION_TITLE = "sharding (FSDP2), mixed precision and activation checkpointing"
 
 
-def sharding_section() -> ShardingOptions:
+def sharding_section() -> ShardingOptions:  # typed as the value it declares, as `dataclasses.field` is
     """The `sharding` field of an options dataclass: its settings are named flat where the options are given (the
     command line, `heal_checkpoint`'s keywords, an experiment file), grouped in `--help` under `SECTION_TITLE`."""
     return field(default_factory=ShardingOptions, metadata={"section": SECTION_TITLE})
