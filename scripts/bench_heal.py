@@ -115,6 +115,8 @@ def _causal_rows(report: dict) -> list[tuple]:
             ("fitting seconds (the layers, one at a time)", None, fitted["seconds"], "", None),
         ]
     return rows + [
+        ("tokens trained on", None, report["tokens"], "", None),
+        ("tokens a second (training)", None, report["tokens"] / report["seconds"], "", None),
         ("healing seconds (training)", None, report["seconds"], "", None),
         (
             "wall seconds, all of it",

@@ -63,6 +63,7 @@ def test_healing_reduces_distance(variant, objective):
     )
     saved = json.loads((output / "heal.json").read_text())
     assert saved["teacher"] == str(variant / "bert") and saved["steps"] == 24 and saved["seconds"] > 0
+    assert saved["tokens"] == report["tokens"] > 24 * HEAL["batch_size"]  # real tokens, more than one a text
     assert saved["objective"] == objective and len(saved["before"]) == len(saved["after"]) == 3
     before, after = report["before"][-1], report["after"][-1]
     assert after["token_cosine"] > before["token_cosine"] + 0.03, (before, after)
@@ -290,6 +291,7 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
     resumed = heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
     assert resumed["resumed"] and not whole["resumed"]
     assert resumed["before"] == whole["before"]  # measured once, before the interruption
+    assert resumed["tokens"] == whole["tokens"] > 0  # counted before the interruption too
     steps = [[entry["step"] for entry in report["history"]] for report in (resumed, whole)]
     assert steps == [list(range(6))] * 2
     for ours, theirs in zip(resumed["history"] + resumed["after"], whole["history"] + whole["after"]):

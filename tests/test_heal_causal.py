@@ -318,6 +318,7 @@ def test_kl_healing_on_teacher_text(llama, schedule):
     )
     assert report["objective"] == "kl" and report["data"]["name"] == "teacher" and report["data"]["train_rows"] is None
     assert report["swap_schedule"] == schedule
+    assert report["tokens"] == 16 * 8 * 64  # every text sampled is 64 tokens long, none padded
     before, after = report["next_token"]["before"], report["next_token"]["after"]
     assert set(after) == {"kl", "kl_by_position", "top1_agreement", "greedy_agreement"}
     bins = list(after["kl_by_position"])  # the held-out sentences' positions, from the first

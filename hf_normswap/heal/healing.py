@@ -106,7 +106,7 @@ def _heal(
     callbacks = [probe]
     if options.swap_schedule != "direct":
         callbacks.append(GradualSwap(models.student, stream_rms, options.swap_schedule, options.max_steps))
-    log_history, seconds, resumed = _train(models, texts, options, callbacks=callbacks, work=work, quiet=quiet)
+    log_history, seconds, tokens, resumed = _train(models, texts, options, callbacks=callbacks, work=work, quiet=quiet)
     for callback in callbacks[1:]:
         callback.remove()  # the saved student is the target placement
     before, head_before = probe.before, probe.head_before
@@ -133,6 +133,7 @@ def _heal(
         freeze_embeddings=options.freeze_embeddings,
         swap_schedule=options.swap_schedule,
         seconds=seconds,
+        tokens=tokens,
         resumed=resumed,
         teacher_collapse=collapse_of_states(teacher, [batch["attention_mask"] for batch in texts.held_out]),
         masked_lm_loss=masked_lm,
@@ -226,10 +227,10 @@ def _head_figures(
 
 def _train(
     models: HealModels, texts: HealTexts, options: HealOptions, callbacks: list, work: Path, quiet: bool
-) -> tuple[list[dict], float, bool]:
+) -> tuple[list[dict], float, int, bool]:
     """Trains the student towards the teacher, resuming from a checkpoint in `checkpoint_dir` if there is one;
-    returns the Trainer's log, the seconds it trained (the measurements along the way included, the first one too)
-    and whether it resumed."""
+    returns the Trainer's log, the seconds it trained (the measurements along the way included, the first one too),
+    the real tokens it trained on (before an interruption too) and whether it resumed."""
     trainer = HealTrainer(
         model=models.student,
         args=training_arguments(options=options, output_dir=work, quiet=quiet, student=models.student),
@@ -243,7 +244,7 @@ def _train(
     resumed = options.checkpoint_dir is not None and any(work.glob("checkpoint-*"))
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=True if resumed else None)
-    return trainer.state.log_history, time.perf_counter() - started, resumed
+    return trainer.state.log_history, time.perf_counter() - started, trainer.state.num_input_tokens_seen, resumed
 
 
 @contextlib.contextmanager

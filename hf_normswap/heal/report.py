@@ -14,6 +14,7 @@ LINEAGE_KEYS = (
     "steps",
     "learning_rate",
     "seconds",
+    "tokens",
     "next_token",
 )  # copied into conversion.json
 
@@ -78,6 +79,7 @@ class HealReport:
     freeze_embeddings: bool
     swap_schedule: str
     seconds: float
+    tokens: int  # the real (not padding) tokens trained on, by every process together
     resumed: bool
     teacher_collapse: dict
     masked_lm_loss: MaskedLMLoss | None
@@ -108,12 +110,14 @@ class HealReport:
         return {key: record[key] for key in LINEAGE_KEYS} | {"before": self.before[-1], "after": self.after[-1]}
 
     def summary(self) -> str:
-        """One line: the token cosine to the teacher and the first-token collapse, before -> after."""
+        """One line: the tokens and seconds trained, the token cosine to the teacher and the first-token collapse,
+        before -> after."""
         before, after = self.before[-1], self.after[-1]
         line = (
-            f"healed in {self.seconds:.0f} s: token cosine to the teacher {before['token_cosine']:.4f} -> "
-            f"{after['token_cosine']:.4f}, first-token collapse {before['collapse_first_token']:.4f} -> "
-            f"{after['collapse_first_token']:.4f} (teacher {self.teacher_collapse['first_token'][-1]:.4f})"
+            f"healed on {self.tokens:,} tokens in {self.seconds:.0f} s: token cosine to the teacher "
+            f"{before['token_cosine']:.4f} -> {after['token_cosine']:.4f}, first-token collapse "
+            f"{before['collapse_first_token']:.4f} -> {after['collapse_first_token']:.4f} "
+            f"(teacher {self.teacher_collapse['first_token'][-1]:.4f})"
         )
         if self.next_token:
             before, after = self.next_token.before, self.next_token.after

@@ -80,8 +80,9 @@ def _outputs(model: torch.nn.Module, batch: dict, index: torch.Tensor | None, to
 def training_arguments(
     *, options: HealOptions, output_dir: Path, quiet: bool, student: torch.nn.Module
 ) -> TrainingArguments:
-    """The Trainer's arguments: 10% warm-up then linear decay, seeded; resumable checkpoints only in the options'
-    `checkpoint_dir`; the student's sharding and mixed precision (`trainer_arguments`)."""
+    """The Trainer's arguments: 10% warm-up then linear decay, seeded, the real tokens trained on counted; resumable
+    checkpoints only in the options' `checkpoint_dir`; the student's sharding and mixed precision
+    (`trainer_arguments`)."""
     arguments = dict(
         output_dir=str(output_dir),
         max_steps=options.max_steps,
@@ -97,6 +98,7 @@ def training_arguments(
         data_seed=0,
         report_to=[],
         remove_unused_columns=False,
+        include_num_input_tokens_seen="non_padding",
         disable_tqdm=quiet,
         use_cpu=not torch.accelerator.is_available(),
     )
