@@ -59,18 +59,26 @@ LOADER = r"""
 import importlib.util, json, sys
 import torch, transformers
 assert importlib.util.find_spec("hf_normswap") is None, "hf_normswap is importable in the clean environment"
-results = []
-for task in json.loads(sys.argv[1]):  # each {"folder", "auto_class", "generate"}
+
+def load(task):
     folder = task["folder"]
     batch = torch.load(f"{folder}/batch.pt", weights_only=True)
     model = getattr(transformers, task["auto_class"]).from_pretrained(f"{folder}/model", trust_remote_code=True)
     with torch.no_grad():
         output = model.eval()(**batch)
-    result = {"version": transformers.__version__, "class": type(model).__name__, "output": output[0].tolist()}
+    result = {"class": type(model).__name__, "output": output[0].tolist()}
     if task["generate"]:  # greedy tokens, the prompts left-padded
         prompts = {name: tensor.flip(1) for name, tensor in batch.items()}
         result["tokens"] = model.generate(**prompts, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
-    results.append(result)
+    return result
+
+results = []
+for task in json.loads(sys.argv[1]):  # each {"folder", "auto_class", "generate"}
+    try:
+        result = load(task)
+    except Exception as error:  # the others still load; the test of this one shows why it failed
+        result = {"error": f"{type(error).__name__}: {error}"}
+    results.append({"version": transformers.__version__, **result})
 print(json.dumps(results))
 """
 
@@ -98,7 +106,7 @@ def test_ci_provides_every_minor_release_from_the_floor_to_the_newest():
 PACKED_HEADS = ["AutoModelForSequenceClassification", "AutoModelForQuestionAnswering", "AutoModelForCausalLM"]
 
 
-def save_task(folder: Path, model, batch: dict, auto_class: str, generate: bool = False) -> dict:
+def save_task(folder: Path, model, batch: dict, auto_class: str, generate: bool = False) -> tuple[dict, dict]:
     """Saves `model` and `batch` under `folder` for the loader; returns its task and the outputs expected there."""
     model.save_pretrained(folder / "model")
     torch.save(batch, folder / "batch.pt")
@@ -138,18 +146,15 @@ def load_in_clean_environment(version: str, *tasks: dict) -> list[dict]:
 def assert_computes(result: dict, expected: dict, tolerance: float, real: torch.Tensor | None = None) -> None:
     """The clean environment's `result` names the class, and gives the outputs (on the `real` tokens) and tokens
     `expected`."""
+    assert "error" not in result, result["error"]
     assert result["class"] == expected["class"]
     difference = torch.tensor(result["output"]) - expected["output"]
     assert (difference if real is None else difference[real]).abs().max().item() <= tolerance
     assert result.get("tokens") == expected.get("tokens")
 
 
-@needs_ci
-@pytest.mark.parametrize("version", EDGES)
-@pytest.mark.parametrize(
-    "auto_class, layout", [(head, "padded") for head in HEADS] + [(head, "packed") for head in PACKED_HEADS]
-)
-def test_variant_loads_in_a_clean_environment(tmp_path, version, auto_class, layout):
+def head_task(folder: Path, auto_class: str, layout: str) -> tuple[dict, dict]:
+    """A sandwich RoPE RMSNorm model with the `auto_class` head, on a padded or packed batch."""
     model_class, overrides = HEADS[auto_class]
     config = tiny_config(
         **{"norm_placement": "sandwich", "position_embedding_type": "rope", "norm_type": "rmsnorm", **overrides}
@@ -160,9 +165,7 @@ def test_variant_loads_in_a_clean_environment(tmp_path, version, auto_class, lay
         batch = DataCollatorWithPacking()(
             [{"input_ids": ids[mask.bool()].tolist()} for ids, mask in zip(input_ids, attention_mask)]
         )
-    task, expected = save_task(tmp_path, model_class(config).eval(), batch, auto_class)
-    (result,) = load_in_clean_environment(version, task)
-    assert_computes(result, expected, tolerance=1e-6)
+    return save_task(folder, model_class(config).eval(), batch, auto_class)
 
 
 FAMILY_VARIANTS = {  # one converted variant of each causal family, swapped where that keeps it interesting
@@ -186,16 +189,11 @@ def family_batch() -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-@needs_ci
-@pytest.mark.parametrize("version", EDGES)
-@pytest.mark.parametrize("model_type", FAMILY_VARIANTS)
-def test_family_variant_loads_and_generates_in_a_clean_environment(tmp_path, version, model_type):
+def family_task(folder: Path, model_type: str) -> tuple[dict, dict]:
+    """A converted causal family's variant (`FAMILY_VARIANTS`), which generates too."""
     suffix, swap = FAMILY_VARIANTS[model_type]
-    batch = family_batch()
-    model = converted_causal_lm(tmp_path, model_type, suffix, **swap)
-    task, expected = save_task(tmp_path, model, batch, "AutoModelForCausalLM", generate=True)
-    (result,) = load_in_clean_environment(version, task)
-    assert_computes(result, expected, tolerance=1e-5, real=batch["attention_mask"].bool())
+    model = converted_causal_lm(folder, model_type, suffix, **swap)
+    return save_task(folder, model, family_batch(), "AutoModelForCausalLM", generate=True)
 
 
 ENCODER_FAMILY_VARIANTS = {  # one converted variant of each encoder family beyond BERT, with its most telling head
@@ -206,17 +204,53 @@ ENCODER_FAMILY_VARIANTS = {  # one converted variant of each encoder family beyo
 }
 
 
+def encoder_family_task(folder: Path, model_type: str) -> tuple[dict, dict]:
+    """A converted encoder family's variant (`ENCODER_FAMILY_VARIANTS`)."""
+    suffix, placement, auto_class = ENCODER_FAMILY_VARIANTS[model_type]
+    save_source(folder / "source", model_type, suffix, tokenizer=False)
+    convert_checkpoint(str(folder / "source"), str(folder / "out"), norm_placement=placement, log=lambda _: None)
+    model = getattr(transformers, auto_class).from_pretrained(folder / "out").eval()
+    return save_task(folder, model, family_batch(), auto_class)
+
+
+HEAD_LAYOUTS = [(head, "padded") for head in HEADS] + [(head, "packed") for head in PACKED_HEADS]
+
+
+@pytest.fixture(scope="module")
+def loaded_at_the_edges(tmp_path_factory):
+    """Every head, causal family and encoder family saved here, with the outputs expected and how closely; and what
+    the oldest and the newest release compute for them, each loading all of them in one process (a process a
+    release, not a model: each start imports torch and transformers anew). Returns (cases by name, results by
+    release and name)."""
+    folder = tmp_path_factory.mktemp("edges")
+    torch.manual_seed(0)
+    cases = {}
+    for head, layout in HEAD_LAYOUTS:
+        name = f"{head}-{layout}"
+        cases[name] = (*head_task(folder / name, head, layout), {"tolerance": 1e-6})
+    real = family_batch()["attention_mask"].bool()  # a causal LM's padded positions are not compared
+    for name in FAMILY_VARIANTS:
+        cases[name] = (*family_task(folder / name, name), {"tolerance": 1e-5, "real": real})
+    for name in ENCODER_FAMILY_VARIANTS:
+        cases[name] = (*encoder_family_task(folder / name, name), {"tolerance": 1e-6})
+    results = {}
+    for version in EDGES:
+        loaded = load_in_clean_environment(version, *(task for task, _, _ in cases.values()))
+        results[version] = dict(zip(cases, loaded, strict=True))
+    return cases, results
+
+
 @needs_ci
 @pytest.mark.parametrize("version", EDGES)
-@pytest.mark.parametrize("model_type", ENCODER_FAMILY_VARIANTS)
-def test_encoder_family_variant_loads_in_a_clean_environment(tmp_path, version, model_type):
-    suffix, placement, auto_class = ENCODER_FAMILY_VARIANTS[model_type]
-    save_source(tmp_path / "source", model_type, suffix, tokenizer=False)
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement=placement, log=lambda _: None)
-    model = getattr(transformers, auto_class).from_pretrained(tmp_path / "out").eval()
-    task, expected = save_task(tmp_path, model, family_batch(), auto_class)
-    (result,) = load_in_clean_environment(version, task)
-    assert_computes(result, expected, tolerance=1e-6)
+@pytest.mark.parametrize(
+    "name", [f"{head}-{layout}" for head, layout in HEAD_LAYOUTS] + [*FAMILY_VARIANTS, *ENCODER_FAMILY_VARIANTS]
+)
+def test_every_head_and_family_loads_in_a_clean_environment(loaded_at_the_edges, version, name):
+    """Each head (padded, and packed where it packs), each causal family's variant (which generates too) and each
+    encoder family's computes in the oldest and the newest release what it computes here."""
+    cases, results = loaded_at_the_edges
+    _, expected, checks = cases[name]
+    assert_computes(results[version][name], expected, **checks)
 
 
 @pytest.fixture(scope="module")
