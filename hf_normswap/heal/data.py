@@ -112,8 +112,8 @@ def _tokenize(rows: Dataset, columns: list[str], tokenizer, max_length: int, nam
 
 def sampled_together(device: torch.device) -> int:
     """How many texts one seeded generation samples on `device`, whatever the batch size or process count: 64 on a
-    CPU (more sample no faster there), 1024 on an accelerator, whose decoding steps wait on Python rather than on their
-    arithmetic."""
+    CPU (larger groups sample no faster there), 1024 on an accelerator, whose decoding steps wait on Python rather
+    than on their arithmetic."""
     return 64 if device.type == "cpu" else 1024
 
 
