@@ -180,9 +180,12 @@ def conversion(args, work: Path) -> None:
     figures, baselines = {}, {}
     for index, (name, command) in enumerate(runs.items()):
         # a large write right after another runs several times slower: each run is paired with a plain one before it
-        shutil.rmtree(work / "baseline", ignore_errors=True)
-        baseline = ["plain", str(source), str(work / "baseline")]
-        baselines[name] = run_worker(work / f"baseline-{index}", baseline)[0]["seconds"]
+        # (--quick's tiny writes are not slowed: its runs share the first)
+        if index == 0 or not args.quick:
+            shutil.rmtree(work / "baseline", ignore_errors=True)
+            baseline = ["plain", str(source), str(work / "baseline")]
+            seconds = run_worker(work / f"baseline-{index}", baseline)[0]["seconds"]
+        baselines[name] = seconds
         figures[name] = run_worker(work / f"record-{index}", command)[0]
     statistics = refit_statistics_bytes(**shape)
     print(

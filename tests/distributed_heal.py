@@ -4,7 +4,8 @@ membership, its embeddings gathered whole) to the JSON file named on the command
 
 Run by `tests/test_sharding.py`: 2 sharded processes with PER_DEVICE texts each must heal as 1 process with
 2 * PER_DEVICE does (no dropout, the same texts making up every step); the tied variant heals twice, with the KL's
-teacher logits from the teacher's head a chunk at a time and from its forward (`-forward`); with
+logits from the heads a chunk at a time (recomputed in the backward pass) and the teacher's from its forward
+(`-forward`, the student's kept for the backward pass); with
 --activation-checkpointing, the tied variant heals (its head a chunk at a time) with its layers recomputed in the
 backward pass. `tests/test_sharding_gpu.py` runs it under `accelerate launch` on a GPU, also with --bf16 (bfloat16
 mixed precision; the outputs' suffix `-bf16`)."""
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_normswap import heal_checkpoint
+from hf_normswap.heal import losses
 from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.trainer import HealTrainer
 from hf_normswap.sharding.processes import end_processes
@@ -56,9 +58,13 @@ HealTrainer.training_step = training_step
 
 
 def teacher_logits(forward: bool):
-    """The KL's teacher logits from the teacher's forward (`forward`) or from its head a chunk at a time, whatever
-    the rows."""
+    """The KL's teacher logits from the teacher's forward and the student's kept for the backward pass (`forward`),
+    or else both from their heads a chunk at a time, recomputed in the backward pass, whatever the rows."""
     trainer_module.teacher_logits_from_forward = lambda rows, teacher, device: forward
+    losses.KEPT_FOR_BACKWARD_BYTES = KEPT_FOR_BACKWARD_BYTES if forward else 0
+
+
+KEPT_FOR_BACKWARD_BYTES = losses.KEPT_FOR_BACKWARD_BYTES
 
 
 if __name__ == "__main__":

@@ -230,7 +230,10 @@ def test_a_healing_reconstructs_the_layers_first(llama):
     assert json.loads((llama / "reconstructed" / "heal.json").read_text())["reconstruction"] == reconstruction
 
 
-def test_chunked_kl_equals_the_whole(llama, monkeypatch):
+@pytest.mark.parametrize("kept", [True, False])
+def test_chunked_kl_equals_the_whole(llama, monkeypatch, kept):
+    """A chunk at a time, the logits kept for the backward pass or recomputed there, the KL and its gradient are the
+    whole's."""
     source = load_unswapped(str(llama / "llama"), head="causal-lm")
     student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
     states = torch.randn(10, 32, requires_grad=True)
@@ -243,8 +246,13 @@ def test_chunked_kl_equals_the_whole(llama, monkeypatch):
     )
     (expected,) = torch.autograd.grad(whole, states)
     monkeypatch.setattr(losses, "TOKENS_PER_CHUNK", 3)
+    if not kept:
+        monkeypatch.setattr(losses, "KEPT_FOR_BACKWARD_BYTES", 0)
+    calls = []
+    student.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
     chunked = losses.next_token_kl(student, source, states, teacher_states)
     (gradient,) = torch.autograd.grad(chunked, states)
+    assert len(calls) == (4 if kept else 8)  # 10 rows in chunks of 3, each run again in the backward pass if not kept
     assert chunked.item() == pytest.approx(whole.item(), rel=1e-5)
     assert torch.allclose(gradient, expected, atol=1e-7)
 

@@ -107,7 +107,8 @@ def test_sharded_healing_equals_one_process_step_by_step(healed, name, suffix):
 
 
 def test_the_teachers_logits_from_its_forward_change_nothing(healed):
-    """The KL with the teacher's logits from its forward, and from its head a chunk at a time, heals alike."""
+    """The KL with the teacher's logits from its forward (the student's kept for the backward pass), and from its
+    head a chunk at a time (both recomputed in the backward pass), heals alike."""
     for per_device in (4, 8):
         forward, chunked = (healed / "tied" / f"healed-{per_device}{suffix}" for suffix in ("-forward", ""))
         assert_same_healing(forward, chunked)

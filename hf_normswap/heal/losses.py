@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..probes.collapse import POOLINGS, pool
 from ..sharding.fsdp import gathered
-from ..sharding.processes import agreed_max, chunk_count
+from ..sharding.processes import agreed_max
 
 
 def comparable(student: tuple, teacher: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -58,6 +58,7 @@ def masked_lm_distillation(student: torch.Tensor, teacher: torch.Tensor, labels:
 
 
 TOKENS_PER_CHUNK = 256  # next-token logits held at once: 256 x a 49k vocabulary is 50 MB in float32
+KEPT_FOR_BACKWARD_BYTES = 1 << 30  # what a KL's chunks may keep for the backward pass rather than recompute
 
 
 def teacher_logits_from_forward(rows: int, teacher: torch.nn.Module, device: torch.device) -> bool:
@@ -75,15 +76,20 @@ def next_token_kl(
     teacher_log_probs: torch.Tensor | None = None,
 ):
     """The mean over rows of KL(teacher || student) of the next-token distributions that the two causal LMs' heads
-    give the final states (rows, hidden). Computed `TOKENS_PER_CHUNK` rows at a time, each chunk's logits recomputed
-    in the backward pass, so that memory holds one chunk's logits whatever the vocabulary. The teacher's are
-    `teacher_log_probs` (rows, vocab) where given, else its head's on `teacher_states`: under data parallelism every
-    process then runs as many chunks (some may be empty), gathering a sharded teacher's head for each."""
+    give the final states (rows, hidden). Computed `TOKENS_PER_CHUNK` rows at a time; where what the backward pass
+    needs of all of them (two float32 tensors of rows x vocab) exceeds `KEPT_FOR_BACKWARD_BYTES`, each chunk's
+    logits are recomputed there instead, so that memory holds one chunk's logits whatever the vocabulary. The
+    teacher's are `teacher_log_probs` (rows, vocab) where given, else its head's on `teacher_states`: under data
+    parallelism every process then runs as many chunks (some may be empty), gathering a sharded teacher's head for
+    each."""
     total = states.new_zeros((), dtype=torch.float32)
-    chunks = chunk_count(len(states), TOKENS_PER_CHUNK, states.device)
+    most = agreed_max(len(states), states.device)
+    chunks = max(1, -(-most // TOKENS_PER_CHUNK))
+    recomputed = 2 * 4 * most * student.get_output_embeddings().weight.shape[0] > KEPT_FOR_BACKWARD_BYTES
     targets = [None] * chunks if teacher_log_probs is None else teacher_log_probs.tensor_split(chunks)
     for rows, teacher_rows, target in zip(states.tensor_split(chunks), teacher_states.tensor_split(chunks), targets):
-        total = total + checkpoint(_chunk_kl, student, teacher, rows, teacher_rows, target, use_reentrant=False)
+        chunk = (student, teacher, rows, teacher_rows, target)
+        total = total + (checkpoint(_chunk_kl, *chunk, use_reentrant=False) if recomputed else _chunk_kl(*chunk))
     return total / max(1, len(states))
 
 

@@ -57,12 +57,6 @@ def token_share(count: int | torch.Tensor, device: torch.device) -> torch.Tensor
     return count * world_size() / total.clamp_min(1)
 
 
-def chunk_count(rows: int, chunk: int, device: torch.device) -> int:
-    """How many chunks of at most `chunk` rows every process splits its `rows` into: the most any process needs, so
-    that all of them run a sharded model's head (and its gathers) as often."""
-    return agreed_max(max(1, -(-rows // chunk)), device)
-
-
 def agreed_max(value: int, device: torch.device) -> int:
     """The largest `value` of all the processes (`value` itself without a launch), so that every process takes the
     same decision where they must run the same collectives."""
