@@ -112,6 +112,20 @@ ARCHITECTURE_PREFIX = {
 }
 
 
+def interpreters(variable: str) -> dict[str, str]:
+    """The "VERSION=PYTHON" pairs (separated by os.pathsep) that `.ci/run` names in `variable`."""
+    return dict(pair.split("=", 1) for pair in os.environ.get(variable, "").split(os.pathsep) if pair)
+
+
+def release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+CLEAN_PYTHONS = interpreters("HF_NORMSWAP_CLEAN_PYTHONS")  # environments of torch and one Transformers release each
+PACKAGE_PYTHONS = interpreters("HF_NORMSWAP_PACKAGE_PYTHONS")  # hf_normswap with the oldest release
+RELEASES = sorted(CLEAN_PYTHONS, key=release)
+
+
 def save_source(folder: Path, model_type: str, head_suffix: str, seed: int = 0, tokenizer: bool = True, **overrides):
     """Saves a tiny `<Prefix><head_suffix>` model (e.g. BertForMaskedLM) with a tokenizer; returns the model."""
     folder = Path(folder)

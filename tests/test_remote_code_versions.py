@@ -3,15 +3,13 @@ Transformers release hf_normswap supports: `.ci/run` builds one environment for 
 release and the latest patch of every minor release in between, and names their interpreters in
 HF_NORMSWAP_CLEAN_PYTHONS ("VERSION=PYTHON" pairs, separated by os.pathsep). Every head and family loads with the
 oldest and the newest; a causal LM, a sequence classifier and a sentence-transformers pipeline with every release.
-The package itself converts, heals and compares with the oldest release too (HF_NORMSWAP_PACKAGE_PYTHONS, the same
-pairs)."""
+The package's own commands with the oldest release: test_package_versions.py."""
 
 import importlib.metadata
 import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,21 +29,19 @@ from hf_normswap import (
 )
 from hf_normswap.model.configuration_normswap import TRANSFORMERS_REQUIREMENT
 
-from helpers import SENTENCES, padded_batch, save_source, sentence_source, tensors, tiny_config, tiny_task
+from helpers import (
+    CLEAN_PYTHONS,
+    PACKAGE_PYTHONS,
+    RELEASES,
+    padded_batch,
+    release,
+    save_source,
+    sentence_source,
+    tiny_config,
+)
 
 
-def _pythons(variable: str) -> dict[str, str]:
-    return dict(pair.split("=", 1) for pair in os.environ.get(variable, "").split(os.pathsep) if pair)
-
-
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split("."))
-
-
-CLEAN_PYTHONS = _pythons("HF_NORMSWAP_CLEAN_PYTHONS")
-PACKAGE_PYTHONS = _pythons("HF_NORMSWAP_PACKAGE_PYTHONS")
-RELEASES = sorted(CLEAN_PYTHONS, key=_release)
-EDGES = sorted({RELEASES[0], RELEASES[-1]}, key=_release) if RELEASES else []  # the oldest and the newest
+EDGES = sorted({RELEASES[0], RELEASES[-1]}, key=release) if RELEASES else []  # the oldest and the newest
 needs_ci = pytest.mark.skipif(not CLEAN_PYTHONS, reason="run through .ci/run, which builds the clean environments")
 HEADS = {
     "AutoModel": (NormSwapModel, {}),
@@ -95,11 +91,11 @@ def test_the_model_code_checks_the_declared_range():
 
 
 @needs_ci
-def test_ci_provides_every_minor_release_from_the_floor_to_the_newest():
+def test_ci_provides_every_minorrelease_from_the_floor_to_the_newest():
     oldest, newest = supported_range()
     assert RELEASES[0] == oldest and RELEASES[-1] == newest
-    minors = {_release(version)[:2] for version in RELEASES}
-    assert minors == {(5, minor) for minor in range(_release(oldest)[1], _release(newest)[1] + 1)}
+    minors = {release(version)[:2] for version in RELEASES}
+    assert minors == {(5, minor) for minor in range(release(oldest)[1], release(newest)[1] + 1)}
     assert set(PACKAGE_PYTHONS) == {oldest}
 
 
@@ -254,7 +250,7 @@ def test_every_head_and_family_loads_in_a_clean_environment(loaded_at_the_edges,
 
 
 @pytest.fixture(scope="module")
-def every_release_tasks(tmp_path_factory):
+def everyrelease_tasks(tmp_path_factory):
     """What every release loads: a LLaMA converted to post-LN (a causal LM that generates), a sequence classifier,
     and the encoder of a sentence-transformers pipeline swapped to pre-LN; with the outputs expected."""
     folder = tmp_path_factory.mktemp("every-release")
@@ -276,91 +272,8 @@ def every_release_tasks(tmp_path_factory):
 
 @needs_ci
 @pytest.mark.parametrize("version", RELEASES)
-def test_every_supported_release_loads_a_causal_lm_a_classifier_and_a_sentence_pipeline(every_release_tasks, version):
-    tasks, real = every_release_tasks
+def test_every_supportedrelease_loads_a_causal_lm_a_classifier_and_a_sentence_pipeline(everyrelease_tasks, version):
+    tasks, real = everyrelease_tasks
     results = load_in_clean_environment(version, *(task for task, _ in tasks))
     for result, (_, expected) in zip(results, tasks, strict=True):
         assert_computes(result, expected, tolerance=1e-5, real=real if result["class"].endswith("CausalLM") else None)
-
-
-def _package(interpreter: str, *arguments: str, launch: tuple = ()) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [interpreter, *launch, "-m", "hf_normswap.cli", *arguments]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-
-
-@pytest.mark.skipif(not PACKAGE_PYTHONS, reason="run through .ci/run, which builds the oldest release's environment")
-@pytest.mark.parametrize("python", ["oldest", "newest"])
-def test_the_package_converts_heals_and_compares_with_the_oldest_and_newest_release(tmp_path, python):
-    """`hf-normswap convert` (a tiny LLaMA to pre_post, calibrated, verified) gives the same checkpoint whichever
-    supported Transformers release runs it; `heal` and `compare` train through that release's Trainer."""
-    interpreter = PACKAGE_PYTHONS[RELEASES[0]] if python == "oldest" else sys.executable
-    save_source(tmp_path / "source", "llama", "ForCausalLM")
-    converted = _package(
-        interpreter, "convert", str(tmp_path / "source"), str(tmp_path / python), "--norm-placement", "pre_post"
-    )
-    assert converted.returncode == 0, converted.stderr[-3000:]
-    config = json.loads((tmp_path / python / "config.json").read_text())
-    assert config["transformers_version"] == (RELEASES[0] if python == "oldest" else transformers.__version__)
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "here"), norm_placement="pre_post", log=lambda _: None)
-    written, expected = tensors(tmp_path / python), tensors(tmp_path / "here")
-    assert written.keys() == expected.keys()
-    assert max((written[name] - expected[name]).abs().max().item() for name in written) <= 1e-6
-
-    (tmp_path / "text.txt").write_text("\n".join(SENTENCES * 8) + "\n")
-    budget = ["--max-steps", "2", "--batch-size", "4", "--eval-size", "8"]
-    healed = _package(
-        interpreter,
-        "heal",
-        str(tmp_path / python),
-        str(tmp_path / "healed"),
-        "--data",
-        str(tmp_path / "text.txt"),
-        *budget,
-    )
-    assert healed.returncode == 0, healed.stderr[-3000:]
-    report = json.loads((tmp_path / "healed" / "heal.json").read_text())
-    assert report["steps"] == 2 and 0 < report["after"][-1]["token_cosine"] <= 1 + 1e-6
-    task = tiny_task(tmp_path / "task")
-    settings = ["--variants", "pre,post+heal", "--seeds", "1", "--epochs", "1", "--batch-size", "16"]
-    settings += ["--heal", "{max_steps: 2, batch_size: 4, eval_size: 8}", "--text-columns", "text"]
-    compared = _package(
-        interpreter,
-        "compare",
-        "--model",
-        str(tmp_path / "source"),
-        "--task",
-        str(task),
-        *settings,
-        "--output",
-        str(tmp_path / "compared"),
-    )
-    assert compared.returncode == 0, compared.stderr[-3000:]
-    runs = json.loads((tmp_path / "compared" / "results.json").read_text())["runs"]
-    assert sorted(run["variant"] for run in runs) == ["post+heal", "pre"]
-    assert all(0 <= run["metrics"]["accuracy"] <= 1 for run in runs)
-
-
-@pytest.mark.skipif(not PACKAGE_PYTHONS, reason="run through .ci/run, which builds the package's oldest environment")
-def test_sharding_on_cpu_before_transformers_5_19_stops_with_one_line(tmp_path):
-    """Older Trainers wrap a model sharded on CPU in DDP, which fails on its DTensors: `--fsdp` says so at once."""
-    interpreter = PACKAGE_PYTHONS[RELEASES[0]]
-    if _release(RELEASES[0]) >= (5, 19):
-        pytest.skip(f"the oldest release, {RELEASES[0]}, shards on CPU")
-    save_source(tmp_path / "source", "llama", "ForCausalLM")
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "post"), norm_placement="post", log=lambda _: None)
-    (tmp_path / "text.txt").write_text("\n".join(SENTENCES) + "\n")
-    launch = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-    arguments = [
-        "heal",
-        str(tmp_path / "post"),
-        str(tmp_path / "healed"),
-        "--data",
-        str(tmp_path / "text.txt"),
-        "--fsdp",
-    ]
-    process = _package(interpreter, *arguments, launch=launch)
-    error = f"hf-normswap heal: error: fsdp on CPU needs transformers>=5.19 (found {RELEASES[0]}): upgrade it"
-    # one line from each process; written at the same moment, the two may share a line of the launch's stderr
-    assert process.returncode != 0 and process.stderr.count(error) == 2, process.stderr[-3000:]
-    assert not (tmp_path / "healed").exists()
