@@ -10,6 +10,7 @@ import pytest
 from hf_normswap import NormSwapForSequenceClassification, smollm2_gguf
 from hf_normswap.compare import comparison
 from hf_normswap.compare.comparison import Experiment, run_comparison
+from hf_normswap.heal.options import FITTED_DEFAULTS
 
 from helpers import LLAMA_SPECIALS, save_source, tiny_task
 
@@ -82,7 +83,7 @@ def test_healed_as_language_models(llama_comparison):
     assert records["pre+heal"]["reconstruction"] is None
     for variant in ("post+heal", "pre_post+heal"):
         fitted = records[variant]["reconstruction"]
-        assert fitted["steps"] == 30 and len(fitted["layer_errors"]) == 2
+        assert fitted["steps"] == FITTED_DEFAULTS["reconstruct_steps"] and len(fitted["layer_errors"]) == 2
         assert (
             min(fitted["conversion"]["kl_by_layer"]) > 0
             and "kl_by_layer" not in records[variant]["next_token"]["before"]

@@ -1,6 +1,7 @@
 """Out of pre-LN: calibrated conversions into post, pre_post and DeepNorm, and healing a causal LM by its next-token
 distribution (KL objective, text sampled from the teacher, gradual swaps)."""
 
+import itertools
 import json
 import re
 
@@ -15,10 +16,10 @@ from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.convert.stream_mix import kl_by_layer, stream_mix
-from hf_normswap.heal import HealError, HealOptions, losses
+from hf_normswap.heal import HealError, HealOptions, losses, reconstruction
 from hf_normswap.heal.data import sampled_together, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
-from hf_normswap.heal.reconstruction import reconstruct_layers
+from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_batches
 from hf_normswap.hub.card import build_card
 from hf_normswap.hub.push import prepare_upload
 from hf_normswap.model.heads import HEAD_CLASSES
@@ -201,9 +202,36 @@ def test_reconstruction_brings_each_layer_and_the_next_token_closer(llama):
     assert not any(parameter.grad is not None for parameter in student.parameters())
 
 
+def test_the_fit_shows_the_layers_the_first_position_in_texts_of_one_token(llama, monkeypatch):
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    ids = torch.randint(3, teacher.config.vocab_size, (32, 12), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": row, "attention_mask": [1] * len(row)} for row in ids.tolist()]
+    options = HealOptions(reconstruct_steps=40, reconstruct_sequences=32)
+    batches = reconstruction_batches(rows, tokenizer, options)
+    first = batches[-1]
+    assert len(batches) == 3 and first["input_ids"].shape == (len(ids.unique()), 1)  # fewer than 1024 distinct
+    assert first["input_ids"].unique().tolist() == ids.unique().tolist() and first["attention_mask"].all()
+    assert torch.equal(reconstruction_batches(rows, tokenizer, options)[-1]["input_ids"], first["input_ids"])
+    # held-out texts that begin with tokens no training text begins with: the KL at their first position
+    starts = torch.tensor([token for token in ids.unique().tolist() if token not in ids[:, 0]][:16])
+    held_out = {"input_ids": torch.cat([starts[:, None], ids[:16, :3]], 1)}
+    held_out["attention_mask"] = torch.ones_like(held_out["input_ids"])
+    converted = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
+    first_position = {"conversion": next_token_agreement(teacher, converted, [held_out])["kl_by_position"]["0"]}
+    monkeypatch.setattr(reconstruction, "RECONSTRUCTION_LEARNING_RATE", 1e-3)  # a tiny model's fit moves at 3e-5
+    for name, fitted_on in (("texts", batches[:-1]), ("with one-token texts", batches)):
+        student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
+        reconstruct_layers(student, teacher, fitted_on, steps=options.reconstruct_steps)
+        first_position[name] = next_token_agreement(teacher, student, [held_out])["kl_by_position"]["0"]
+    # measured: 0.0215 converted, 0.0489 fitted on the texts alone (overfitted), 0.0073 with one-token texts
+    assert first_position["texts"] > 1.5 * first_position["conversion"]
+    assert first_position["with one-token texts"] < 0.5 * first_position["conversion"]
+
+
 def test_the_layers_are_fitted_by_default_out_of_pre_ln_with_the_direct_swap():
     fitted = HealOptions().for_head("causal-lm", stream_recorded=True)
-    assert fitted.reconstruct_steps == 30 and fitted.learning_rate == 1e-5 and fitted.max_steps == 100
+    assert fitted.reconstruct_steps == 60 and fitted.learning_rate == 1e-5 and fitted.max_steps == 100
     for options, recorded in (
         (HealOptions(), False),  # no calibrated conversion out of pre-LN
         (HealOptions(swap_schedule="taper"), True),
@@ -301,6 +329,21 @@ def test_teacher_samples_are_distinct(llama):
     count = sampled_together(torch.device("cpu")) + 8  # past the first seeded group
     streamed = [tuple(next(stream)["input_ids"]) for _ in range(count)]
     assert len(set(streamed)) == count and streamed[:12] == [tuple(row["input_ids"]) for row in rows]
+
+
+def test_teacher_samples_are_sampled_once_for_every_pass(llama, monkeypatch):
+    """The layers' fit reads the first texts of the stream, then training reads it from the start: the same texts,
+    each group sampled once."""
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    stream = teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10))
+    calls = []
+    generate = teacher.generate
+    monkeypatch.setattr(teacher, "generate", lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs))
+    group = sampled_together(torch.device("cpu"))
+    first = [row["input_ids"] for row in itertools.islice(stream, group + 1)]
+    second = [row["input_ids"] for row in itertools.islice(stream, 2 * group)]
+    assert len(calls) == 2 and second[: group + 1] == first and len({tuple(row) for row in second}) == 2 * group
 
 
 def test_teacher_samples_depend_on_no_batch_size(llama):

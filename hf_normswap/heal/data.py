@@ -122,31 +122,38 @@ class TeacherSamples(torch.utils.data.IterableDataset):
     after the token `start`, `sampled_together` at a time; each group seeded by its index (the global generator is left
     as it was), so that no text repeats and a run can be reproduced, whatever its batch size and process count. Every
     second text leaves `start` out and begins at its first sampled token, so that the student learns both ways a text
-    reaches the model: after BOS (a chat template) and without it (a tokenizer that adds none)."""
+    reaches the model: after BOS (a chat template) and without it (a tokenizer that adds none). Groups are kept once
+    sampled, so that a second pass (training after the layers' fit) reads the texts the first one sampled."""
 
     def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions):
         self.teacher, self.start, self.pad, self.options = teacher, start, pad, options
+        self.groups: list[torch.Tensor] = []
 
     def __iter__(self):
-        options, device = self.options, compute_device(self.teacher)
         for group in itertools.count():
-            with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
-                torch.manual_seed(group)
-                starts = torch.full((sampled_together(device), 1), self.start, device=device)
-                ids = self.teacher.generate(
-                    starts,
-                    attention_mask=torch.ones_like(starts),
-                    do_sample=True,
-                    temperature=options.sample_temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    min_new_tokens=options.sample_length,
-                    max_new_tokens=options.sample_length,
-                    pad_token_id=self.pad,
-                )
-            for index, row in enumerate(ids.tolist()):
+            if group == len(self.groups):
+                self.groups.append(self._sample(group))
+            for index, row in enumerate(self.groups[group].tolist()):
                 row = row[1:] if index % 2 else row[:-1]
                 yield {"input_ids": row, "attention_mask": [1] * len(row)}
+
+    def _sample(self, group: int) -> torch.Tensor:
+        options, device = self.options, compute_device(self.teacher)
+        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
+            torch.manual_seed(group)
+            starts = torch.full((sampled_together(device), 1), self.start, device=device)
+            ids = self.teacher.generate(
+                starts,
+                attention_mask=torch.ones_like(starts),
+                do_sample=True,
+                temperature=options.sample_temperature,
+                top_k=0,
+                top_p=1.0,
+                min_new_tokens=options.sample_length,
+                max_new_tokens=options.sample_length,
+                pad_token_id=self.pad,
+            )
+        return ids.cpu()
 
 
 def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> Dataset | TeacherSamples:

@@ -33,7 +33,7 @@ HEAD_DEFAULTS = {
 }
 
 
-FITTED_DEFAULTS = {"reconstruct_steps": 30, "learning_rate": 1e-5}  # from a close start, 1e-4 undid the fit
+FITTED_DEFAULTS = {"reconstruct_steps": 60, "learning_rate": 1e-5}  # from a close start, 1e-4 undid the fit
 
 
 def _by_head(field: str) -> str:
@@ -109,7 +109,7 @@ class HealOptions:
         default=128,
         metadata={
             "help": "with --reconstruct-steps: the texts the fit uses, the first of the training text (at least "
-            f"{RECONSTRUCTION_BATCH_SIZE}, one batch)"
+            f"{RECONSTRUCTION_BATCH_SIZE}, one batch), and a batch of their tokens alone as texts of one token"
         },
     )
     max_steps: int | None = field(default=None, metadata={"help": f"training steps; {_by_head('max_steps')}"})
