@@ -136,8 +136,7 @@ def reconstruction_batches(train, tokenizer, options: HealOptions) -> list[dict]
 def first_position_batch(batches: list[dict]) -> dict:
     """Texts of one token each: up to `FIRST_POSITION_TOKENS` of the distinct real tokens of `batches`, drawn by a
     seeded permutation. At the first position a token attends to itself alone, so its states depend on the token
-    only; fitted on the few tokens that texts begin with, the layers overfit them (measured: docs/experiments/
-    healing.md)."""
+    only; fitted on the few tokens that texts begin with, the layers overfit them (docs/experiments/healing.md)."""
     tokens = torch.cat([batch["input_ids"][batch["attention_mask"].bool()] for batch in batches]).unique()
     drawn = tokens[torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))[:FIRST_POSITION_TOKENS]]
     return {"input_ids": drawn[:, None], "attention_mask": torch.ones(len(drawn), 1, dtype=torch.long)}
