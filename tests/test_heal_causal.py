@@ -331,19 +331,24 @@ def test_teacher_samples_are_distinct(llama):
     assert len(set(streamed)) == count and streamed[:12] == [tuple(row["input_ids"]) for row in rows]
 
 
-def test_teacher_samples_are_sampled_once_for_every_pass(llama, monkeypatch):
+def test_teacher_samples_for_the_fit_are_sampled_once(llama, monkeypatch):
     """The layers' fit reads the first texts of the stream, then training reads it from the start: the same texts,
-    each group sampled once."""
+    the fit's groups sampled once, and no other group kept."""
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
-    stream = teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10))
+    group = sampled_together(torch.device("cpu"))
+    options = HealOptions(data="teacher", sample_length=10, reconstruct_steps=5, reconstruct_sequences=group + 1)
+    stream = teacher_samples(teacher, tokenizer, options)
     calls = []
     generate = teacher.generate
     monkeypatch.setattr(teacher, "generate", lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs))
-    group = sampled_together(torch.device("cpu"))
-    first = [row["input_ids"] for row in itertools.islice(stream, group + 1)]
-    second = [row["input_ids"] for row in itertools.islice(stream, 2 * group)]
-    assert len(calls) == 2 and second[: group + 1] == first and len({tuple(row) for row in second}) == 2 * group
+    fitted = [row["input_ids"] for row in itertools.islice(stream, group + 1)]
+    trained = [row["input_ids"] for row in itertools.islice(stream, 3 * group)]
+    assert len(calls) == 3 and len(stream.kept) == 2  # the third group is sampled, not kept
+    assert trained[: group + 1] == fitted and len({tuple(row) for row in trained}) == 3 * group
+    unfitted = teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10))
+    assert [row["input_ids"] for row in itertools.islice(unfitted, 3 * group)] == trained
+    assert len(calls) == 6 and not unfitted.kept
 
 
 def test_teacher_samples_depend_on_no_batch_size(llama):

@@ -122,18 +122,22 @@ class TeacherSamples(torch.utils.data.IterableDataset):
     after the token `start`, `sampled_together` at a time; each group seeded by its index (the global generator is left
     as it was), so that no text repeats and a run can be reproduced, whatever its batch size and process count. Every
     second text leaves `start` out and begins at its first sampled token, so that the student learns both ways a text
-    reaches the model: after BOS (a chat template) and without it (a tokenizer that adds none). Groups are kept once
-    sampled, so that a second pass (training after the layers' fit) reads the texts the first one sampled."""
+    reaches the model: after BOS (a chat template) and without it (a tokenizer that adds none). The groups that hold
+    the texts the layers' fit reads (the first `reconstruct_sequences`, with `reconstruct_steps`) are kept, so that
+    training reads them again without sampling them again."""
 
     def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions):
         self.teacher, self.start, self.pad, self.options = teacher, start, pad, options
-        self.groups: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []
 
     def __iter__(self):
+        together = sampled_together(compute_device(self.teacher))
+        fitted = self.options.reconstruct_sequences if self.options.reconstruct_steps else 0
         for group in itertools.count():
-            if group == len(self.groups):
-                self.groups.append(self._sample(group))
-            for index, row in enumerate(self.groups[group].tolist()):
+            ids = self.kept[group] if group < len(self.kept) else self._sample(group)
+            if group == len(self.kept) and group * together < fitted:
+                self.kept.append(ids)
+            for index, row in enumerate(ids.tolist()):
                 row = row[1:] if index % 2 else row[:-1]
                 yield {"input_ids": row, "attention_mask": [1] * len(row)}
 
