@@ -23,12 +23,16 @@ from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_b
 from hf_normswap.hub.card import build_card
 from hf_normswap.hub.push import prepare_upload
 from hf_normswap.model.heads import HEAD_CLASSES
+from hf_normswap.probes.collapse import boundary_states
 from hf_normswap.probes.next_token import (
     POSITION_BINS,
+    agreement,
+    final_state_log_probs,
     greedy_agreement,
     greedy_continuation,
     greedy_prompts,
     next_token_agreement,
+    token_log_probs,
 )
 from hf_normswap.probes.swap_effect import swap_batch
 
@@ -267,8 +271,8 @@ def test_chunked_kl_equals_the_whole(llama, monkeypatch, kept):
     states = torch.randn(10, 32, requires_grad=True)
     teacher_states = torch.randn(10, 32)
     whole = F.kl_div(
-        losses.token_log_probs(student, states),
-        losses.token_log_probs(source, teacher_states).detach(),
+        token_log_probs(student, states),
+        token_log_probs(source, teacher_states).detach(),
         log_target=True,
         reduction="batchmean",
     )
@@ -430,6 +434,24 @@ def test_next_token_kl_by_position_in_the_text(llama):
         assert figures["kl_by_position"][name] == pytest.approx(per_token[chosen].mean().item(), rel=1e-4, abs=1e-6)
     assert figures["kl"] == pytest.approx(per_token.mean().item(), rel=1e-4)
     assert (positions == 0).sum() == 6 and (positions >= 16).sum() == 8
+
+
+def test_next_token_figures_from_final_states_equal_the_forwards(llama):
+    """The figures a healing takes from the final states it holds (through the heads alone) are the models' own
+    forwards', right and left padded, for the source LLaMA and a NormSwap student."""
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post-shifted")
+    input_ids = torch.randint(1, teacher.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+    right = torch.arange(12).expand(3, -1) < torch.tensor([12, 5, 2])[:, None]
+    batches = [{"input_ids": input_ids, "attention_mask": mask.long()} for mask in (right, right.flip(1))]
+    with torch.no_grad():
+        finals = [[boundary_states(model, batch)[-1] for batch in batches] for model in (teacher, student)]
+    figures = agreement(*(final_state_log_probs(m, f, batches) for m, f in zip((teacher, student), finals)), batches)
+    expected = next_token_agreement(teacher, student, batches)
+    assert expected["kl"] > 0.1  # the uncalibrated conversion is far from its source
+    assert figures["kl"] == pytest.approx(expected["kl"], rel=1e-5)
+    assert figures["kl_by_position"] == pytest.approx(expected["kl_by_position"], rel=1e-5)
+    assert figures["top1_agreement"] == expected["top1_agreement"]
 
 
 def test_a_healing_generates_the_teachers_continuation_once(llama, tmp_path, monkeypatch):

@@ -24,13 +24,20 @@ from ..convert.stream_mix import kl_by_layer
 from ..model import copy_remote_code
 from ..model.heads import head_of_config
 from ..probes.collapse import collapse_of_states
-from ..probes.next_token import greedy_agreement, greedy_continuation, greedy_prompts, next_token_agreement
+from ..probes.next_token import (
+    agreement,
+    final_state_log_probs,
+    greedy_agreement,
+    greedy_continuation,
+    greedy_prompts,
+    next_token_log_probs,
+)
 from ..sharding import with_sharding_section
 from ..sharding.fsdp import gathered, prepare_frozen, prepare_trained, resumable, unsharded
 from ..sharding.processes import is_main_process, processes
 from .data import HealTexts, heal_texts
 from .gradual_swap import GradualSwap, conversion_stream_rms, missing_stream, recorded_stream_rms
-from .measure import masked_lm_loss, measure, teacher_states
+from .measure import masked_lm_loss, measure_states, student_states, teacher_states
 from .models import HealModels, load_models, memory_settings
 from .options import HealError, HealOptions
 from .reconstruction import RECONSTRUCTION_LEARNING_RATE, reconstruct_layers, reconstruction_batches
@@ -99,7 +106,7 @@ def _heal(
     with gathered(models.teacher):
         teacher = teacher_states(models.teacher, texts.held_out)
     separable = stream_rms is not None and models.teacher_is_source  # each layer alone: the rest compute the teacher
-    head_figures = _head_probe(models, texts, tokenizer, stream_rms=stream_rms if separable else None)
+    head_figures = _head_probe(models, texts, tokenizer, teacher, stream_rms=stream_rms if separable else None)
     reconstruction, head_figures = _reconstruct(models, texts, tokenizer, options, head_figures)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
@@ -109,11 +116,11 @@ def _heal(
     log_history, seconds, tokens, resumed = _train(models, texts, options, callbacks=callbacks, work=work, quiet=quiet)
     for callback in callbacks[1:]:
         callback.remove()  # the saved student is the target placement
-    before, head_before = probe.before, probe.head_before
     with gathered(models.student, models.teacher):
-        after = measure(models.student, texts.held_out, teacher)
-        head_after = head_figures(models.student)
-        masked_lm, next_token = _head_results(models, texts.held_out, tokenizer, before=head_before, after=head_after)
+        states = student_states(models.student, texts.held_out)
+        after = measure_states(states, texts.held_out, teacher)
+        head_after = head_figures(models.student, states=states)
+        masked_lm, next_token = _head_results(models, texts.held_out, tokenizer, probe.head_before, head_after)
     probe.history.append({"step": options.max_steps, **after[-1]})
     return HealReport(
         teacher=models.teacher_id,
@@ -138,7 +145,7 @@ def _heal(
         teacher_collapse=collapse_of_states(teacher, [batch["attention_mask"] for batch in texts.held_out]),
         masked_lm_loss=masked_lm,
         next_token=next_token,
-        before=before,
+        before=probe.before,
         after=after,
         history=probe.history,
         log_history=log_history,
@@ -185,7 +192,7 @@ def _head_results(
 
 
 def _head_probe(
-    models: HealModels, texts: HealTexts, tokenizer, stream_rms: list[float] | None
+    models: HealModels, texts: HealTexts, tokenizer, teacher_states: list[tuple], stream_rms: list[float] | None
 ) -> Callable[..., dict]:
     """`_head_figures` on the held-out batches; the frozen teacher's greedy continuation is generated once, here."""
     greedy = None
@@ -193,7 +200,13 @@ def _head_probe(
         prompts = greedy_prompts(texts.held_out, tokenizer)
         greedy = prompts, greedy_continuation(models.teacher, prompts)
     return functools.partial(
-        _head_figures, models=models, batches=texts.held_out, tokenizer=tokenizer, greedy=greedy, stream_rms=stream_rms
+        _head_figures,
+        models=models,
+        batches=texts.held_out,
+        teacher_states=teacher_states,
+        tokenizer=tokenizer,
+        greedy=greedy,
+        stream_rms=stream_rms,
     )
 
 
@@ -202,22 +215,31 @@ def _head_figures(
     *,
     models: HealModels,
     batches: list[dict],
+    teacher_states: list[tuple],
     tokenizer,
     greedy: tuple[dict, torch.Tensor] | None,
     stream_rms: list[float] | None,
     before: bool = False,
+    states: list[tuple] | None = None,
 ) -> dict:
     """The student's figures through its language-model head on the held-out `batches`: its masked-LM loss (with a
     masked-LM head), or its next-token KL and top-1 agreement to the teacher and its greedy agreement with the
-    teacher's continuation of the prompts (`greedy`: prompts, the teacher's tokens; with a causal-LM head). `before`
-    healing, with the source's `stream_rms`, also the KL with each layer alone swapped (`stream_mix.kl_by_layer`), on
-    the first held-out batch."""
+    teacher's continuation of the prompts (`greedy`: prompts, the teacher's tokens; with a causal-LM head). The
+    next-token distributions come from the teacher's boundary states and the student's `states` where given (both
+    through their heads alone), else from the student's forward. `before` healing, with the source's `stream_rms`,
+    also the KL with each layer alone swapped (`stream_mix.kl_by_layer`), on the first held-out batch."""
     figures = {"masked_lm": None, "next_token": None}
     if models.masked_lm:
         figures["masked_lm"] = masked_lm_loss(student, batches, tokenizer)
     if greedy is not None:
         prompts, expected = greedy
-        figures["next_token"] = next_token_agreement(models.teacher, student, batches) | {
+        teacher = final_state_log_probs(models.teacher, [final for *_, final in teacher_states], batches)
+        given = (
+            next_token_log_probs(student, batches)
+            if states is None
+            else final_state_log_probs(student, [final for *_, final in states], batches)
+        )
+        figures["next_token"] = agreement(teacher, given, batches) | {
             "greedy_agreement": greedy_agreement(expected, student, prompts)
         }
         if before and stream_rms is not None:  # two forwards a layer: on the first batch only

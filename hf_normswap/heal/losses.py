@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..probes.collapse import POOLINGS, pool
+from ..probes.next_token import token_log_probs
 from ..sharding.fsdp import gathered
 from ..sharding.processes import agreed_max
 
@@ -91,16 +92,6 @@ def next_token_kl(
         chunk = (student, teacher, rows, teacher_rows, target)
         total = total + (checkpoint(_chunk_kl, *chunk, use_reentrant=False) if recomputed else _chunk_kl(*chunk))
     return total / max(1, len(states))
-
-
-def token_log_probs(model: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
-    """The causal LM's next-token log-probabilities (float32) for final states, as its head computes them."""
-    head = model.get_output_embeddings()
-    logits = head(states.to(head.weight.dtype))  # under mixed precision the head computes in its own dtype
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return F.log_softmax(logits.float(), -1)
 
 
 def _chunk_kl(student, teacher, rows: torch.Tensor, teacher_rows: torch.Tensor, target: torch.Tensor | None):

@@ -18,30 +18,34 @@ def teacher_states(teacher: torch.nn.Module, batches: list[dict]) -> list[tuple]
 
 
 @torch.no_grad()
-def measure(student: torch.nn.Module, batches: list[dict], teacher_states: list[tuple]) -> list[dict]:
-    """Per boundary, on the held-out batches: the student's mean token cosine to the teacher's states (as they are),
-    the mean squared error of the comparable states, and the student's collapse figures."""
-    cosines, errors, states, device = [], [], [], compute_device(student)
+def student_states(student: torch.nn.Module, batches: list[dict]) -> list[tuple]:
+    """The student's boundary states on every held-out batch, on its device."""
     with evaluation_mode(student):
-        for batch, teacher in zip(batches, teacher_states):
-            batch = on_device(batch, student)
-            real = batch["attention_mask"].bool()
-            student_states = boundary_states(student, batch)
-            teacher = [t.to(device) for t in teacher]
-            cosines.append(
-                torch.stack(
-                    [
-                        F.cosine_similarity(s[real].float(), t[real].float(), dim=-1).sum()
-                        for s, t in zip(student_states, teacher)
-                    ]
-                )
+        return [boundary_states(student, on_device(batch, student)) for batch in batches]
+
+
+def measure(student: torch.nn.Module, batches: list[dict], teacher_states: list[tuple]) -> list[dict]:
+    """`measure_states` of the student's states on the held-out batches."""
+    return measure_states(student_states(student, batches), batches, teacher_states)
+
+
+@torch.no_grad()
+def measure_states(states: list[tuple], batches: list[dict], teacher_states: list[tuple]) -> list[dict]:
+    """Per boundary, from the student's `states` on the held-out batches: its mean token cosine to the teacher's
+    states (as they are), the mean squared error of the comparable states, and its collapse figures."""
+    cosines, errors = [], []
+    for batch, student, teacher in zip(batches, states, teacher_states, strict=True):
+        device = student[0].device
+        real = batch["attention_mask"].bool().to(device)
+        teacher = [t.to(device) for t in teacher]
+        cosines.append(
+            torch.stack(
+                [F.cosine_similarity(s[real].float(), t[real].float(), dim=-1).sum() for s, t in zip(student, teacher)]
             )
-            errors.append(
-                torch.stack(
-                    [(s[real] - t[real]).pow(2).mean(-1).sum() for s, t in comparable(student_states, teacher)]
-                )
-            )
-            states.append(student_states)
+        )
+        errors.append(
+            torch.stack([(s[real] - t[real]).pow(2).mean(-1).sum() for s, t in comparable(student, teacher)])
+        )
     tokens = sum(batch["attention_mask"].sum().item() for batch in batches)
     collapse = collapse_of_states(states, [batch["attention_mask"] for batch in batches])
     cosine, error = (torch.stack(cosines).sum(0) / tokens).tolist(), (torch.stack(errors).sum(0) / tokens).tolist()

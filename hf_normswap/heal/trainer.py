@@ -19,7 +19,7 @@ from ..model.packing import pack_padded, unpack
 from ..sharding.fsdp import RecordShardedOutputs, gathered, trainer_arguments
 from ..sharding.processes import token_share
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
-from .measure import measure
+from .measure import measure, measure_states, student_states
 from .options import HealError, HealOptions
 
 
@@ -107,7 +107,8 @@ def training_arguments(
 
 class HealProbeCallback(TrainerCallback):
     """Measures the student on the held-out batches as the Trainer trains it (sharded, on its device): when training
-    begins (`before`, and `head_figures(student, before=True)`: `head_before`), then every `every` steps before the
+    begins (`before`, and `head_figures(student, before=True, states=...)` from the same states: `head_before`), then
+    every `every` steps before the
     last, for the plot. Whenever the Trainer saves a checkpoint, its figures go beside the checkpoints (`FILE`), and
     are read back when training resumes from one."""
 
@@ -130,8 +131,9 @@ class HealProbeCallback(TrainerCallback):
             self._read(Path(args.output_dir) / self.FILE, state.global_step)
             return
         with gathered(model, self.teacher):  # every process measures (a sharded student needs them all)
-            self.before = measure(model, self.batches, self.teacher_states)
-            self.head_before = self.head_figures(model, before=True)
+            states = student_states(model, self.batches)
+            self.before = measure_states(states, self.batches, self.teacher_states)
+            self.head_before = self.head_figures(model, before=True, states=states)
         self.history = [{"step": 0, **self.before[-1]}]
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

@@ -7,7 +7,6 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..devices import compute_device
 from ..model.evaluation_mode import evaluation_mode
 from .probe_data import on_device
 
@@ -26,6 +25,16 @@ def next_token_agreement(source: torch.nn.Module, model: torch.nn.Module, batche
     return agreement_with(next_token_log_probs(source, batches), model, batches)
 
 
+def token_log_probs(model: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """The causal LM's next-token log-probabilities (float32) for final states, as its head computes them."""
+    head = model.get_output_embeddings()
+    logits = head(states.to(head.weight.dtype))  # under mixed precision the head computes in its own dtype
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return F.log_softmax(logits.float(), -1)
+
+
 def next_token_log_probs(model: torch.nn.Module, batches: list[dict]) -> Iterator[torch.Tensor]:
     """Per batch of padded `batches`, one at a time, `model`'s next-token log-probabilities at its real tokens
     (tokens, vocabulary)."""
@@ -36,17 +45,31 @@ def next_token_log_probs(model: torch.nn.Module, batches: list[dict]) -> Iterato
 
 
 @torch.no_grad()
+def final_state_log_probs(
+    model: torch.nn.Module, states: list[torch.Tensor], batches: list[dict]
+) -> Iterator[torch.Tensor]:
+    """`next_token_log_probs` from `model`'s final states on each of `batches` (its last boundary states), through
+    its head alone: a model whose states are at hand is not run again."""
+    for final, batch in zip(states, batches, strict=True):
+        yield token_log_probs(model, final[batch["attention_mask"].to(final.device).bool()])
+
+
+@torch.no_grad()
 def agreement_with(expected: Iterable[torch.Tensor], model: torch.nn.Module, batches: list[dict]) -> dict:
     """`next_token_agreement` against a source's `next_token_log_probs` on the same `batches`."""
-    kl, positions, agree, device = [], [], 0, compute_device(model)
-    with evaluation_mode(model):
-        for batch, source in zip(batches, expected, strict=True):
-            mask = batch["attention_mask"].to(device)
-            real, source = mask.bool(), source.to(device)
-            given = F.log_softmax(model(**on_device(batch, model, TOKENS)).logits[real].float(), -1)
-            kl.append(F.kl_div(given, source, log_target=True, reduction="none").sum(-1))
-            agree += (given.argmax(-1) == source.argmax(-1)).sum().item()
-            positions.append((mask.cumsum(-1) - 1)[real])
+    return agreement(expected, next_token_log_probs(model, batches), batches)
+
+
+@torch.no_grad()
+def agreement(expected: Iterable[torch.Tensor], given: Iterable[torch.Tensor], batches: list[dict]) -> dict:
+    """`next_token_agreement` of a model's next-token log-probabilities `given` on `batches` against a source's
+    `expected` (each per batch, at its real tokens)."""
+    kl, positions, agree = [], [], 0
+    for batch, source, model in zip(batches, expected, given, strict=True):
+        mask, source = batch["attention_mask"].to(model.device), source.to(model.device)
+        kl.append(F.kl_div(model, source, log_target=True, reduction="none").sum(-1))
+        agree += (model.argmax(-1) == source.argmax(-1)).sum().item()
+        positions.append((mask.cumsum(-1) - 1)[mask.bool()])
     kl, positions = torch.cat(kl), torch.cat(positions)
     bins = {name: (positions >= start) & (positions < end) for name, (start, end) in POSITION_BINS.items()}
     by_position = {name: kl[chosen].mean().item() for name, chosen in bins.items() if chosen.any()}
