@@ -107,10 +107,9 @@ def training_arguments(
 
 class HealProbeCallback(TrainerCallback):
     """Measures the student on the held-out batches as the Trainer trains it (sharded, on its device): when training
-    begins (`before`, and `head_figures(student, before=True, states=...)` from the same states: `head_before`), then
-    every `every` steps before the
-    last, for the plot. Whenever the Trainer saves a checkpoint, its figures go beside the checkpoints (`FILE`), and
-    are read back when training resumes from one."""
+    begins (`before`, and from the same states `head_figures(student, before=True, states=...)`: `head_before`),
+    then every `every` steps before the last, for the plot. Whenever the Trainer saves a checkpoint, its figures go
+    beside the checkpoints (`FILE`), and are read back when training resumes from one."""
 
     FILE = "heal_probe.json"
 
