@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, GenerationMixin
+from transformers import AutoTokenizer, GenerationMixin, TrainingArguments
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.cli import main as cli
@@ -17,9 +17,10 @@ from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.convert.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.heal import HealError, HealOptions, losses, reconstruction
-from hf_normswap.heal.data import sampled_together, teacher_samples
+from hf_normswap.heal.data import TEACHER_STATES, heal_texts, sampled_together, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
 from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_batches
+from hf_normswap.heal.trainer import HealTrainer
 from hf_normswap.hub.card import build_card
 from hf_normswap.hub.push import prepare_upload
 from hf_normswap.model.heads import HEAD_CLASSES
@@ -315,24 +316,63 @@ def test_teacher_samples_are_distinct(llama):
     sequences = {tuple(row["input_ids"]) for row in rows}
     assert len(rows) == 12 and len(sequences) == 12
     assert all(len(row["input_ids"]) == 10 for row in rows)
-    torch.manual_seed(0)  # the first group's seed: each text sampled after BOS, every second one without it
-    bos = torch.full((sampled_together(torch.device("cpu")), 1), tokenizer.bos_token_id)
+    torch.manual_seed(0)  # the first group's seed: every second text sampled without BOS, from a token drawn after it
+    starts = torch.full((sampled_together(torch.device("cpu")), 1), tokenizer.bos_token_id)
+    after_bos = _logits(teacher, starts[:1])[0, -1].softmax(-1)
+    starts[1::2, 0] = torch.multinomial(after_bos, len(starts[1::2]), replacement=True)
     sampled = teacher.generate(
-        bos,
-        attention_mask=torch.ones_like(bos),
+        starts,
+        attention_mask=torch.ones_like(starts),
         do_sample=True,
         top_k=0,
         top_p=1.0,
         max_new_tokens=10,
         min_new_tokens=10,
     ).tolist()
-    assert [row["input_ids"] for row in rows] == [
-        text[1:] if i % 2 else text[:-1] for i, text in enumerate(sampled[:12])
-    ]
+    texts = rows["input_ids"]
+    assert texts == [text[:-1] for text in sampled[:12]]
+    assert {text[0] == tokenizer.bos_token_id for text in texts[::2]} == {True}
+    assert len({text[0] for text in texts[1::2]}) > 1
     stream = iter(teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10, batch_size=5)))
     count = sampled_together(torch.device("cpu")) + 8  # past the first seeded group
     streamed = [tuple(next(stream)["input_ids"]) for _ in range(count)]
     assert len(set(streamed)) == count and streamed[:12] == [tuple(row["input_ids"]) for row in rows]
+
+
+def _sampled_batch(llama, texts: int):
+    """The tiny LLaMA teacher, its tokenizer, and a training batch of `texts` texts of 10 tokens sampled from it, as
+    a healing batches them."""
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    options = HealOptions(data="teacher", sample_length=10, eval_size=4, batch_size=4)
+    sampled = heal_texts(options=options, tokenizer=tokenizer, teacher=teacher)
+    return teacher, tokenizer, sampled.collator(list(itertools.islice(sampled.train, texts)))
+
+
+def test_teacher_samples_come_with_the_teachers_states_on_them(llama):
+    """Each sampled text carries the states its sampling computed: those of the teacher's forward on the text, at
+    every boundary; and a batch of them stacks those states."""
+    teacher, tokenizer, batch = _sampled_batch(llama, 6)
+    ids, states = batch["input_ids"], batch[TEACHER_STATES]
+    with torch.no_grad():
+        forward = teacher(ids, output_hidden_states=True).hidden_states
+    assert states.shape == (6, teacher.config.num_hidden_layers + 1, 10, teacher.config.hidden_size)
+    assert ids[0, 0] == tokenizer.bos_token_id and ids[1, 0] != tokenizer.bos_token_id
+    torch.testing.assert_close(states, torch.stack(forward, 1), rtol=1e-4, atol=1e-5)
+
+
+def test_training_on_sampled_text_reads_the_teachers_states_from_it(llama, tmp_path, monkeypatch):
+    """On sampled text the healing's loss takes the teacher's states from the text, without running the teacher (only
+    its head, for the KL), and equals the loss with the teacher run on the batch."""
+    teacher, _, batch = _sampled_batch(llama, 8)
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
+    arguments = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+    trainer = HealTrainer(model=student, args=arguments, teacher=teacher, objective="kl", packing=True)
+    without_states = {key: value for key, value in batch.items() if key != TEACHER_STATES}
+    from_forward = trainer.compute_loss(student, dict(without_states))
+    monkeypatch.setattr(teacher, "forward", None)  # the teacher does not run
+    from_states = trainer.compute_loss(student, dict(batch))
+    assert from_states.item() == pytest.approx(from_forward.item(), rel=1e-5)
 
 
 def test_teacher_samples_for_the_fit_are_sampled_once(llama, monkeypatch):

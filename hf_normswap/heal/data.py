@@ -2,6 +2,7 @@
 sampled from a causal-LM teacher."""
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ class HealTexts:
     """The tokenized training rows with the collator that batches them, and the padded held-out batches."""
 
     train: Dataset | torch.utils.data.IterableDataset
-    collator: DataCollatorWithPadding | DataCollatorForLanguageModeling
+    collator: Callable[[list[dict]], dict]
     held_out: list[dict]
     held_out_rows: int
     columns: list[str]
@@ -48,6 +49,8 @@ def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> 
         for start in range(0, len(held_out), size)
     ]
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if options.objective == "mlm" else pad
+    if isinstance(train, TeacherSamples):  # a causal LM's text: never masked
+        collator = WithTeacherStates(pad)
     return HealTexts(train=train, collator=collator, held_out=batches, held_out_rows=len(held_out), columns=columns)
 
 
@@ -117,36 +120,47 @@ def sampled_together(device: torch.device) -> int:
     return 64 if device.type == "cpu" else 1024
 
 
-class TeacherSamples(torch.utils.data.IterableDataset):
-    """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`, each sampled
-    after the token `start`, `sampled_together` at a time; each group seeded by its index (the global generator is left
-    as it was), so that no text repeats and a run can be reproduced, whatever its batch size and process count. Every
-    second text leaves `start` out and begins at its first sampled token, so that the student learns both ways a text
-    reaches the model: after BOS (a chat template) and without it (a tokenizer that adds none). The groups that hold
-    the texts the layers' fit reads (the first `reconstruct_sequences`, with `reconstruct_steps`) are kept, so that
-    training reads them again without sampling them again."""
+TEACHER_STATES = "teacher_hidden_states"  # a sampled text's key: the teacher's states at every boundary
 
-    def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions):
-        self.teacher, self.start, self.pad, self.options = teacher, start, pad, options
-        self.kept: list[torch.Tensor] = []
+
+class TeacherSamples(torch.utils.data.IterableDataset):
+    """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`,
+    `sampled_together` at a time; each group seeded by its index (the global generator is left as it was), so that no
+    text repeats and a run can be reproduced, whatever its batch size and process count. Every second text is sampled
+    without the token `start`, from a first token drawn after it, so that the student learns both ways a text reaches
+    the model: after BOS (a chat template) and without it (a tokenizer that adds none). With `states`, each text
+    comes with the states its sampling computed (`TEACHER_STATES`: boundaries x length x hidden), which are the
+    teacher's states on it, so that training need not run the teacher again. The groups that hold the texts the
+    layers' fit reads (the first `reconstruct_sequences`, with `reconstruct_steps`) are kept, so that training reads
+    them again without sampling them again."""
+
+    def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions, states: bool):
+        self.teacher, self.start, self.pad, self.options, self.states = teacher, start, pad, options, states
+        self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def __iter__(self):
         together = sampled_together(compute_device(self.teacher))
         fitted = self.options.reconstruct_sequences if self.options.reconstruct_steps else 0
         for group in itertools.count():
-            ids = self.kept[group] if group < len(self.kept) else self._sample(group)
+            ids, states = self.kept[group] if group < len(self.kept) else self._sample(group)
             if group == len(self.kept) and group * together < fitted:
-                self.kept.append(ids)
+                self.kept.append((ids, states))
             for index, row in enumerate(ids.tolist()):
-                row = row[1:] if index % 2 else row[:-1]
-                yield {"input_ids": row, "attention_mask": [1] * len(row)}
+                text = {"input_ids": row, "attention_mask": [1] * len(row)}
+                yield text if states is None else text | {TEACHER_STATES: states[index]}
 
-    def _sample(self, group: int) -> torch.Tensor:
+    @torch.no_grad()
+    def _sample(self, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The group's texts (texts x length) and, with `states`, the teacher's states on them (texts x boundaries x
+        length x hidden). Sampling one token more than the texts hold runs the teacher on every token they do
+        hold."""
         options, device = self.options, compute_device(self.teacher)
         with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
             torch.manual_seed(group)
             starts = torch.full((sampled_together(device), 1), self.start, device=device)
-            ids = self.teacher.generate(
+            first = self.teacher(starts[:1]).logits[0, -1].float() / options.sample_temperature
+            starts[1::2, 0] = torch.multinomial(first.softmax(-1), len(starts[1::2]), replacement=True)
+            sampled = self.teacher.generate(
                 starts,
                 attention_mask=torch.ones_like(starts),
                 do_sample=True,
@@ -156,20 +170,43 @@ class TeacherSamples(torch.utils.data.IterableDataset):
                 min_new_tokens=options.sample_length,
                 max_new_tokens=options.sample_length,
                 pad_token_id=self.pad,
+                return_dict_in_generate=True,
+                output_hidden_states=self.states,
             )
-        return ids.cpu()
+        ids = sampled.sequences[:, :-1].cpu()
+        if not self.states:
+            return ids, None
+        steps = sampled.hidden_states  # per decoding step, per boundary: texts x new tokens x hidden
+        return ids, torch.stack([torch.cat(boundary, 1) for boundary in zip(*steps)], 1).cpu()
+
+
+@dataclass
+class WithTeacherStates:
+    """Batches texts as `pad` does, with the teacher's states if they came with them (`TEACHER_STATES`) stacked:
+    texts x boundaries x length x hidden (the sampled texts are all of one length)."""
+
+    pad: DataCollatorWithPadding
+
+    def __call__(self, rows: list[dict]) -> dict:
+        batch = dict(self.pad([{key: row[key] for key in row if key != TEACHER_STATES} for row in rows]))
+        if TEACHER_STATES in rows[0]:
+            batch[TEACHER_STATES] = torch.stack([row[TEACHER_STATES] for row in rows])
+        return batch
 
 
 def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> Dataset | TeacherSamples:
     """Texts sampled from the teacher after BOS (else EOS), every second one without it: `sample_count` of them
     sampled once (when sharded, by the main process, which alone holds the teacher's weights, for every process), or
-    else an endless stream (`TeacherSamples`)."""
+    else an endless stream (`TeacherSamples`). On a CPU the stream's texts come with the teacher's states on them:
+    there the teacher's forward took a seventh of a healing step; on an accelerator it is cheap, and the states of a
+    group of 1,024 texts would take gigabytes of its memory."""
     if not callable(getattr(teacher, "generate", None)):
         raise HealError("--data teacher needs a teacher that generates (a causal LM); the teacher has no such head")
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if start is None:
         raise HealError("--data teacher needs a tokenizer with a BOS or EOS token to start each text from")
-    stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options)
+    states = options.sample_count is None and compute_device(teacher).type == "cpu"
+    stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=states)
     if options.sample_count is None:
         return stream
     ids = None

@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..model.packing import pack_padded, unpack
 from ..sharding.fsdp import RecordShardedOutputs, gathered, trainer_arguments
 from ..sharding.processes import token_share
+from .data import TEACHER_STATES
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure, measure_states, student_states
 from .options import HealError, HealOptions
@@ -25,7 +27,7 @@ from .options import HealError, HealOptions
 
 class HealTrainer(Trainer):
     """A Trainer whose loss is the distance of the model's boundary states to the teacher's (both run on the same
-    batch, padding-free with `packing`)."""
+    batch, padding-free with `packing`; on text sampled from the teacher, its states come with the text)."""
 
     def __init__(self, *args, teacher: torch.nn.Module, objective: str, packing: bool = False, **kwargs):
         callbacks = [RecordShardedOutputs(), *(kwargs.pop("callbacks", None) or [])]  # first: others may record
@@ -38,17 +40,23 @@ class HealTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels", None)
+        sampled = inputs.pop(TEACHER_STATES, None)  # the teacher's states on sampled text, from its sampling
         packed, index = pack_padded(inputs) if self.packing else (inputs, None)
         packed = {key: value.to(self.args.device) for key, value in packed.items()}
         mask = inputs["attention_mask"].to(self.args.device)
         # a causal LM's next-token logits are computed from its final states, a chunk at a time (`next_token_kl`);
-        # the teacher's come from its forward where they take less memory (`teacher_logits_from_forward`)
+        # the teacher's come from its forward, if it runs, where they take less memory (`teacher_logits_from_forward`)
         kl = self.objective == "kl"
-        teacher_logits = kl and teacher_logits_from_forward(mask.numel(), self.teacher, self.args.device)
+        teacher_logits = (
+            kl and sampled is None and teacher_logits_from_forward(mask.numel(), self.teacher, mask.device)
+        )
         keep = {"logits_to_keep": 1} if kl else {}
         teacher_keep = {} if teacher_logits else keep
-        with torch.no_grad():
-            teacher = _outputs(self.teacher, packed, index, labels is not None or teacher_logits, **teacher_keep)
+        if sampled is not None:
+            teacher = CausalLMOutputWithPast(hidden_states=sampled.to(self.args.device).unbind(1))
+        else:
+            with torch.no_grad():
+                teacher = _outputs(self.teacher, packed, index, labels is not None or teacher_logits, **teacher_keep)
         student = _outputs(model, packed, index, token_logits=labels is not None, **keep)
         tokens = token_share(mask.sum(), self.args.device)
         objective = "hidden" if kl else self.objective
