@@ -395,6 +395,35 @@ def test_teacher_samples_for_the_fit_are_sampled_once(llama, monkeypatch):
     assert len(calls) == 6 and not unfitted.kept
 
 
+def test_teacher_samples_read_again(llama, monkeypatch):
+    """With `sample_reads`, each group's texts are read again, with their states, after the next group's first
+    reading and in a seeded order, without sampling them again; the layers' fit reads distinct texts."""
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    group = sampled_together(torch.device("cpu"))
+    options = HealOptions(
+        data="teacher", sample_length=10, sample_reads=2, reconstruct_steps=5, reconstruct_sequences=2 * group + 1
+    )
+    stream = teacher_samples(teacher, tokenizer, options)
+    calls = []
+    generate = teacher.generate
+    monkeypatch.setattr(teacher, "generate", lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs))
+    fitted = reconstruction_batches(stream, tokenizer, options)
+    assert len(calls) == 3 and len(stream.kept) == 3
+    read = list(itertools.islice(stream, 5 * group))
+    texts = [tuple(row["input_ids"]) for row in read]
+    first, second, again, third = (texts[i * group : (i + 1) * group] for i in range(4))
+    assert len(set(first + second + third)) == 3 * group and len(calls) == 3  # the three groups fitted on, kept
+    assert set(again) == set(first) and again != first
+    assert [list(text) for text in first + second] == torch.cat([b["input_ids"] for b in fitted[:-2]]).tolist()
+    assert texts[4 * group :] != second and set(texts[4 * group :]) == set(second)
+    states = {tuple(row["input_ids"]): row[TEACHER_STATES] for row in read[:group]}
+    assert all(
+        torch.equal(row[TEACHER_STATES], states[tuple(row["input_ids"])]) for row in read[2 * group : 3 * group]
+    )
+    assert [tuple(row["input_ids"]) for row in itertools.islice(stream, 5 * group)] == texts  # seeded
+
+
 def test_teacher_samples_depend_on_no_batch_size(llama):
     """The texts sampled are the same whatever the batch size (a process's share of the global batch)."""
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
@@ -530,6 +559,11 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
         ([str(tmp_path / "pre"), "--objective", "kl"], "objective='kl' needs a causal-LM student"),
         ([str(llama / "post-shifted"), "--swap-schedule", "gate"], "needs a calibrated conversion out of pre-LN"),
         ([str(llama / "post"), "--sample-count", "0"], "sample_count=0 is invalid"),
+        ([str(llama / "post"), "--sample-reads", "0"], "sample_reads=0 is invalid: at least 1"),
+        (
+            [str(llama / "post"), "--sample-reads", "2", "--sample-count", "64"],
+            "sample_reads=2 is invalid with sample_count",
+        ),
         ([str(llama / "post-shifted"), "--swap-schedule", "taper"], "needs a calibrated conversion out of pre-LN"),
         (
             [str(llama / "post"), "--swap-schedule", "taper", "--activation-checkpointing"],

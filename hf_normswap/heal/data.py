@@ -1,6 +1,7 @@
 """The text a healing trains and measures on: read from a GLUE task, a local file or the Hub, then tokenized; or
 sampled from a causal-LM teacher."""
 
+import collections
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,8 +126,9 @@ TEACHER_STATES = "teacher_hidden_states"  # a sampled text's key: the teacher's 
 
 class TeacherSamples(torch.utils.data.IterableDataset):
     """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`,
-    `sampled_together` at a time; each group seeded by its index (the global generator is left as it was), so that no
-    text repeats and a run can be reproduced, whatever its batch size and process count. Every second text is sampled
+    `sampled_together` at a time; each group seeded by its index (the global generator is left as it was), so that a
+    run can be reproduced whatever its batch size and process count. Each text is read `sample_reads` times: a
+    group's first reading, then the earlier groups' next readings, each in a seeded order. Every second text is sampled
     without the token `start`, from a first token drawn after it, so that the student learns both ways a text reaches
     the model: after BOS (a chat template) and without it (a tokenizer that adds none). With `states`, each text
     comes with the states its sampling computed (`TEACHER_STATES`: boundaries x length x hidden), which are the
@@ -141,13 +143,22 @@ class TeacherSamples(torch.utils.data.IterableDataset):
     def __iter__(self):
         together = sampled_together(compute_device(self.teacher))
         fitted = self.options.reconstruct_sequences if self.options.reconstruct_steps else 0
+        recent = collections.deque(maxlen=self.options.sample_reads)  # the groups still to be read again
         for group in itertools.count():
             ids, states = self.kept[group] if group < len(self.kept) else self._sample(group)
             if group == len(self.kept) and group * together < fitted:
                 self.kept.append((ids, states))
-            for index, row in enumerate(ids.tolist()):
-                text = {"input_ids": row, "attention_mask": [1] * len(row)}
-                yield text if states is None else text | {TEACHER_STATES: states[index]}
+            recent.appendleft((group, ids, states))
+            for reading, texts in enumerate(recent):  # the new group's first reading, then the earlier groups' next
+                yield from self._read(*texts, reading)
+
+    def _read(self, group: int, ids: torch.Tensor, states: torch.Tensor | None, reading: int):
+        """A group's texts: in order at their first reading, else in an order seeded by the group and the reading."""
+        shuffle = torch.Generator().manual_seed(group * self.options.sample_reads + reading)
+        order = torch.randperm(len(ids), generator=shuffle) if reading else torch.arange(len(ids))
+        for index in order.tolist():
+            text = {"input_ids": ids[index].tolist(), "attention_mask": [1] * ids.shape[1]}
+            yield text if states is None else text | {TEACHER_STATES: states[index]}
 
     @torch.no_grad()
     def _sample(self, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:

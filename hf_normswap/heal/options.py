@@ -96,6 +96,13 @@ class HealOptions:
             "help": "with --data teacher: sample this many texts once and repeat them; default: a new text every time"
         },
     )
+    sample_reads: int = field(
+        default=1,
+        metadata={
+            "help": "with --data teacher and no --sample-count: read each sampled text this many times, each reading "
+            "after the next group's first, in a seeded order (on a CPU a second reading runs no teacher)"
+        },
+    )
     reconstruct_steps: int | None = field(
         default=None,
         metadata={
@@ -165,6 +172,13 @@ class HealOptions:
         self._check_reconstruction()
         if self.sample_count is not None and self.sample_count < 1:
             raise HealError(f"sample_count={self.sample_count!r} is invalid: at least 1, or none for a stream")
+        if not isinstance(self.sample_reads, int) or self.sample_reads < 1:
+            raise HealError(f"sample_reads={self.sample_reads!r} is invalid: at least 1")
+        if self.sample_reads > 1 and self.sample_count is not None:
+            raise HealError(
+                f"sample_reads={self.sample_reads} is invalid with sample_count: texts sampled once are read again "
+                "every epoch"
+            )
         for name in ("learning_rate", "batch_size", "max_length", "eval_size", "sample_temperature", "sample_length"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise HealError(f"{name}={getattr(self, name)!r} is invalid: must be positive")
