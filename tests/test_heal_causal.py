@@ -317,17 +317,13 @@ def test_teacher_samples_are_distinct(llama):
     assert len(rows) == 12 and len(sequences) == 12
     assert all(len(row["input_ids"]) == 10 for row in rows)
     torch.manual_seed(0)  # the first group's seed: every second text sampled without BOS, from a token drawn after it
+    sampling = dict(do_sample=True, top_k=0, top_p=1.0)  # the first token as the others: never EOS, say
     starts = torch.full((sampled_together(torch.device("cpu")), 1), tokenizer.bos_token_id)
-    after_bos = _logits(teacher, starts[:1])[0, -1].softmax(-1)
-    starts[1::2, 0] = torch.multinomial(after_bos, len(starts[1::2]), replacement=True)
+    after = starts[1::2]
+    first = dict(min_new_tokens=1, max_new_tokens=1)
+    after[:] = teacher.generate(after, attention_mask=torch.ones_like(after), **first, **sampling)[:, 1:]
     sampled = teacher.generate(
-        starts,
-        attention_mask=torch.ones_like(starts),
-        do_sample=True,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=10,
-        min_new_tokens=10,
+        starts, attention_mask=torch.ones_like(starts), max_new_tokens=10, min_new_tokens=10, **sampling
     ).tolist()
     texts = rows["input_ids"]
     assert texts == [text[:-1] for text in sampled[:12]]
@@ -388,11 +384,11 @@ def test_teacher_samples_for_the_fit_are_sampled_once(llama, monkeypatch):
     monkeypatch.setattr(teacher, "generate", lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs))
     fitted = [row["input_ids"] for row in itertools.islice(stream, group + 1)]
     trained = [row["input_ids"] for row in itertools.islice(stream, 3 * group)]
-    assert len(calls) == 3 and len(stream.kept) == 2  # the third group is sampled, not kept
+    assert len(calls) == 2 * 3 and len(stream.kept) == 2  # two calls a group; the third group is not kept
     assert trained[: group + 1] == fitted and len({tuple(row) for row in trained}) == 3 * group
     unfitted = teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10))
     assert [row["input_ids"] for row in itertools.islice(unfitted, 3 * group)] == trained
-    assert len(calls) == 6 and not unfitted.kept
+    assert len(calls) == 2 * 6 and not unfitted.kept
 
 
 def test_teacher_samples_read_again(llama, monkeypatch):
@@ -409,11 +405,11 @@ def test_teacher_samples_read_again(llama, monkeypatch):
     generate = teacher.generate
     monkeypatch.setattr(teacher, "generate", lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs))
     fitted = reconstruction_batches(stream, tokenizer, options)
-    assert len(calls) == 3 and len(stream.kept) == 3
+    assert len(calls) == 2 * 3 and len(stream.kept) == 3  # two calls a group
     read = list(itertools.islice(stream, 5 * group))
     texts = [tuple(row["input_ids"]) for row in read]
     first, second, again, third = (texts[i * group : (i + 1) * group] for i in range(4))
-    assert len(set(first + second + third)) == 3 * group and len(calls) == 3  # the three groups fitted on, kept
+    assert len(set(first + second + third)) == 3 * group and len(calls) == 2 * 3  # the groups fitted on, kept
     assert set(again) == set(first) and again != first
     assert [list(text) for text in first + second] == torch.cat([b["input_ids"] for b in fitted[:-2]]).tolist()
     assert texts[4 * group :] != second and set(texts[4 * group :]) == set(second)

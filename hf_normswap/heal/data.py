@@ -50,7 +50,7 @@ def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> 
         for start in range(0, len(held_out), size)
     ]
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if options.objective == "mlm" else pad
-    if isinstance(train, TeacherSamples):  # a causal LM's text: never masked
+    if isinstance(train, TeacherSamples):  # with the teacher's states that came with the texts
         collator = WithTeacherStates(pad)
     return HealTexts(train=train, collator=collator, held_out=batches, held_out_rows=len(held_out), columns=columns)
 
@@ -141,16 +141,26 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def __iter__(self):
+        recent = collections.deque(maxlen=self.options.sample_reads)  # the groups still to be read again
+        for group in self._groups():
+            recent.appendleft(group)
+            for reading, texts in enumerate(recent):  # the new group's first reading, then the earlier groups' next
+                yield from self._read(*texts, reading)
+
+    def first_readings(self):
+        """Every text once, in the order the stream first reads them."""
+        for group in self._groups():
+            yield from self._read(*group, reading=0)
+
+    def _groups(self):
+        """(index, texts, states) of every group in turn, those the layers' fit reads kept as they are sampled."""
         together = sampled_together(compute_device(self.teacher))
         fitted = self.options.reconstruct_sequences if self.options.reconstruct_steps else 0
-        recent = collections.deque(maxlen=self.options.sample_reads)  # the groups still to be read again
         for group in itertools.count():
             ids, states = self.kept[group] if group < len(self.kept) else self._sample(group)
             if group == len(self.kept) and group * together < fitted:
                 self.kept.append((ids, states))
-            recent.appendleft((group, ids, states))
-            for reading, texts in enumerate(recent):  # the new group's first reading, then the earlier groups' next
-                yield from self._read(*texts, reading)
+            yield group, ids, states
 
     def _read(self, group: int, ids: torch.Tensor, states: torch.Tensor | None, reading: int):
         """A group's texts: in order at their first reading, else in an order seeded by the group and the reading."""
@@ -166,23 +176,24 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         length x hidden). Sampling one token more than the texts hold runs the teacher on every token they do
         hold."""
         options, device = self.options, compute_device(self.teacher)
+        sampling = dict(
+            do_sample=True, temperature=options.sample_temperature, top_k=0, top_p=1.0, pad_token_id=self.pad
+        )
         with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
             torch.manual_seed(group)
             starts = torch.full((sampled_together(device), 1), self.start, device=device)
-            first = self.teacher(starts[:1]).logits[0, -1].float() / options.sample_temperature
-            starts[1::2, 0] = torch.multinomial(first.softmax(-1), len(starts[1::2]), replacement=True)
+            after = starts[1::2]  # these texts begin with the token drawn after `start`, without it
+            after[:] = self.teacher.generate(
+                after, attention_mask=torch.ones_like(after), max_new_tokens=1, min_new_tokens=1, **sampling
+            )[:, 1:]
             sampled = self.teacher.generate(
                 starts,
                 attention_mask=torch.ones_like(starts),
-                do_sample=True,
-                temperature=options.sample_temperature,
-                top_k=0,
-                top_p=1.0,
                 min_new_tokens=options.sample_length,
                 max_new_tokens=options.sample_length,
-                pad_token_id=self.pad,
                 return_dict_in_generate=True,
                 output_hidden_states=self.states,
+                **sampling,
             )
         ids = sampled.sequences[:, :-1].cpu()
         if not self.states:

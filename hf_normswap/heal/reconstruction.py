@@ -19,6 +19,7 @@ from transformers import DataCollatorWithPadding
 from ..convert.stream_mix import normalised
 from ..model.evaluation_mode import evaluation_mode
 from ..probes.probe_data import on_device
+from .data import TeacherSamples
 from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
 
 
@@ -116,13 +117,14 @@ def reconstruct_layers(student: nn.Module, teacher: nn.Module, batches: list[dic
 
 
 def reconstruction_batches(train, tokenizer, options: HealOptions) -> list[dict]:
-    """The first `reconstruct_sequences` distinct texts of the healing's training text (which may read a text again),
-    padded in batches of `RECONSTRUCTION_BATCH_SIZE`, then `first_position_batch` of them."""
-    rows = list(itertools.islice(_distinct(train), options.reconstruct_sequences))
+    """The first `reconstruct_sequences` texts of the healing's training text (of a stream that reads texts again,
+    their first readings), padded in batches of `RECONSTRUCTION_BATCH_SIZE`, then `first_position_batch` of them."""
+    texts = train.first_readings() if isinstance(train, TeacherSamples) else iter(train)
+    rows = list(itertools.islice(texts, options.reconstruct_sequences))
     if len(rows) < options.reconstruct_sequences:
         raise HealError(
             f"reconstruct_sequences={options.reconstruct_sequences} is invalid: the training text holds "
-            f"{len(rows)} distinct texts"
+            f"{len(rows)} texts"
         )
     pad = DataCollatorWithPadding(tokenizer)
     keys = ("input_ids", "attention_mask")
@@ -131,14 +133,6 @@ def reconstruction_batches(train, tokenizer, options: HealOptions) -> list[dict]
         for start in range(0, len(rows), RECONSTRUCTION_BATCH_SIZE)
     ]
     return batches + [first_position_batch(batches)]
-
-
-def _distinct(rows):
-    seen = set()
-    for row in rows:
-        if tuple(row["input_ids"]) not in seen:
-            seen.add(tuple(row["input_ids"]))
-            yield row
 
 
 def first_position_batch(batches: list[dict]) -> dict:

@@ -48,7 +48,7 @@ class HealTrainer(Trainer):
         # the teacher's come from its forward, if it runs, where they take less memory (`teacher_logits_from_forward`)
         kl = self.objective == "kl"
         teacher_logits = (
-            kl and sampled is None and teacher_logits_from_forward(mask.numel(), self.teacher, mask.device)
+            kl and sampled is None and teacher_logits_from_forward(mask.numel(), self.teacher, self.args.device)
         )
         keep = {"logits_to_keep": 1} if kl else {}
         teacher_keep = {} if teacher_logits else keep
