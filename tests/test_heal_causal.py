@@ -317,7 +317,7 @@ def test_teacher_samples_are_distinct(llama):
     assert len(rows) == 12 and len(sequences) == 12
     assert all(len(row["input_ids"]) == 10 for row in rows)
     torch.manual_seed(0)  # the first group's seed: every second text sampled without BOS, from a token drawn after it
-    sampling = dict(do_sample=True, top_k=0, top_p=1.0)  # the first token as the others: never EOS, say
+    sampling = dict(do_sample=True, top_k=0, top_p=1.0)  # the first token drawn as the others are (never EOS)
     starts = torch.full((sampled_together(torch.device("cpu")), 1), tokenizer.bos_token_id)
     after = starts[1::2]
     first = dict(min_new_tokens=1, max_new_tokens=1)
@@ -371,6 +371,14 @@ def test_training_on_sampled_text_reads_the_teachers_states_from_it(llama, tmp_p
     assert from_states.item() == pytest.approx(from_forward.item(), rel=1e-5)
 
 
+def _counted_generate(teacher, monkeypatch) -> list:
+    """A list that grows by one at each call of `teacher.generate` (two a sampled group)."""
+    calls = []
+    generate = teacher.generate
+    monkeypatch.setattr(teacher, "generate", lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs))
+    return calls
+
+
 def test_teacher_samples_for_the_fit_are_sampled_once(llama, monkeypatch):
     """The layers' fit reads the first texts of the stream, then training reads it from the start: the same texts,
     the fit's groups sampled once, and no other group kept."""
@@ -379,9 +387,7 @@ def test_teacher_samples_for_the_fit_are_sampled_once(llama, monkeypatch):
     group = sampled_together(torch.device("cpu"))
     options = HealOptions(data="teacher", sample_length=10, reconstruct_steps=5, reconstruct_sequences=group + 1)
     stream = teacher_samples(teacher, tokenizer, options)
-    calls = []
-    generate = teacher.generate
-    monkeypatch.setattr(teacher, "generate", lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs))
+    calls = _counted_generate(teacher, monkeypatch)
     fitted = [row["input_ids"] for row in itertools.islice(stream, group + 1)]
     trained = [row["input_ids"] for row in itertools.islice(stream, 3 * group)]
     assert len(calls) == 2 * 3 and len(stream.kept) == 2  # two calls a group; the third group is not kept
@@ -393,7 +399,7 @@ def test_teacher_samples_for_the_fit_are_sampled_once(llama, monkeypatch):
 
 def test_teacher_samples_read_again(llama, monkeypatch):
     """With `sample_reads`, each group's texts are read again, with their states, after the next group's first
-    reading and in a seeded order, without sampling them again; the layers' fit reads distinct texts."""
+    reading and in a seeded order, without sampling them again; the layers' fit reads the first readings."""
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
     group = sampled_together(torch.device("cpu"))
@@ -401,9 +407,7 @@ def test_teacher_samples_read_again(llama, monkeypatch):
         data="teacher", sample_length=10, sample_reads=2, reconstruct_steps=5, reconstruct_sequences=2 * group + 1
     )
     stream = teacher_samples(teacher, tokenizer, options)
-    calls = []
-    generate = teacher.generate
-    monkeypatch.setattr(teacher, "generate", lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs))
+    calls = _counted_generate(teacher, monkeypatch)
     fitted = reconstruction_batches(stream, tokenizer, options)
     assert len(calls) == 2 * 3 and len(stream.kept) == 3  # two calls a group
     read = list(itertools.islice(stream, 5 * group))

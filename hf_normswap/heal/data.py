@@ -49,9 +49,12 @@ def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> 
         dict(pad([held_out[i] for i in range(start, min(start + size, len(held_out)))]))
         for start in range(0, len(held_out), size)
     ]
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if options.objective == "mlm" else pad
-    if isinstance(train, TeacherSamples):  # with the teacher's states that came with the texts
+    if isinstance(train, TeacherSamples):  # a causal LM's texts, with the teacher's states where they came with them
         collator = WithTeacherStates(pad)
+    elif options.objective == "mlm":
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+    else:
+        collator = pad
     return HealTexts(train=train, collator=collator, held_out=batches, held_out_rows=len(held_out), columns=columns)
 
 
@@ -165,9 +168,10 @@ class TeacherSamples(torch.utils.data.IterableDataset):
     def _read(self, group: int, ids: torch.Tensor, states: torch.Tensor | None, reading: int):
         """A group's texts: in order at their first reading, else in an order seeded by the group and the reading."""
         shuffle = torch.Generator().manual_seed(group * self.options.sample_reads + reading)
-        order = torch.randperm(len(ids), generator=shuffle) if reading else torch.arange(len(ids))
-        for index in order.tolist():
-            text = {"input_ids": ids[index].tolist(), "attention_mask": [1] * ids.shape[1]}
+        order = torch.randperm(len(ids), generator=shuffle).tolist() if reading else range(len(ids))
+        rows = ids.tolist()
+        for index in order:
+            text = {"input_ids": rows[index], "attention_mask": [1] * len(rows[index])}
             yield text if states is None else text | {TEACHER_STATES: states[index]}
 
     @torch.no_grad()
