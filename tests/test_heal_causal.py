@@ -381,16 +381,17 @@ def _counted_generate(teacher, monkeypatch) -> list:
 
 def test_teacher_samples_for_the_fit_are_sampled_once(llama, monkeypatch):
     """The layers' fit reads the first texts of the stream, then training reads it from the start: the same texts,
-    the fit's groups sampled once, and no other group kept."""
+    the fit's groups sampled once and let go once training has read them, and no other group kept."""
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
     group = sampled_together(torch.device("cpu"))
     options = HealOptions(data="teacher", sample_length=10, reconstruct_steps=5, reconstruct_sequences=group + 1)
     stream = teacher_samples(teacher, tokenizer, options)
     calls = _counted_generate(teacher, monkeypatch)
-    fitted = [row["input_ids"] for row in itertools.islice(stream, group + 1)]
+    fitted = [row["input_ids"] for row in itertools.islice(stream.first_readings(), group + 1)]
+    assert len(calls) == 2 * 2 and sorted(stream.kept) == [0, 1]  # two calls a group
     trained = [row["input_ids"] for row in itertools.islice(stream, 3 * group)]
-    assert len(calls) == 2 * 3 and len(stream.kept) == 2  # two calls a group; the third group is not kept
+    assert len(calls) == 2 * 3 and not stream.kept  # the third group is not kept
     assert trained[: group + 1] == fitted and len({tuple(row) for row in trained}) == 3 * group
     unfitted = teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10))
     assert [row["input_ids"] for row in itertools.islice(unfitted, 3 * group)] == trained
@@ -417,6 +418,7 @@ def test_teacher_samples_read_again(llama, monkeypatch):
     assert set(again) == set(first) and again != first
     assert [list(text) for text in first + second] == torch.cat([b["input_ids"] for b in fitted[:-2]]).tolist()
     assert texts[4 * group :] != second and set(texts[4 * group :]) == set(second)
+    assert sorted(stream.kept) == [1, 2]  # the first group, read twice, let go
     states = {tuple(row["input_ids"]): row[TEACHER_STATES] for row in read[:group]}
     assert all(
         torch.equal(row[TEACHER_STATES], states[tuple(row["input_ids"])]) for row in read[2 * group : 3 * group]
@@ -447,6 +449,7 @@ def test_kl_healing_on_teacher_text(llama, schedule):
         swap_schedule=schedule,
     )
     assert report["objective"] == "kl" and report["data"]["name"] == "teacher" and report["data"]["train_rows"] is None
+    assert report["data"]["sampling"] == {"temperature": 1.0, "length": 64, "count": None, "reads": 1}
     assert report["swap_schedule"] == schedule
     assert report["tokens"] == 16 * 8 * 64  # every text sampled is 64 tokens long, none padded
     before, after = report["next_token"]["before"], report["next_token"]["after"]
@@ -547,6 +550,7 @@ def healed_text(llama):
 
 def test_kl_objective_decreases_on_text(healed_text):
     _, report = healed_text
+    assert report["data"]["name"] == "sst2-sample" and report["data"]["sampling"] is None
     before, after = report["next_token"]["before"], report["next_token"]["after"]
     assert after["kl"] < 0.5 * before["kl"] and after["top1_agreement"] > before["top1_agreement"]
 

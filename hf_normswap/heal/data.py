@@ -136,12 +136,12 @@ class TeacherSamples(torch.utils.data.IterableDataset):
     the model: after BOS (a chat template) and without it (a tokenizer that adds none). With `states`, each text
     comes with the states its sampling computed (`TEACHER_STATES`: boundaries x length x hidden), which are the
     teacher's states on it, so that training need not run the teacher again. The groups that hold the texts the
-    layers' fit reads (the first `reconstruct_sequences`, with `reconstruct_steps`) are kept, so that training reads
-    them again without sampling them again."""
+    layers' fit reads (the first `reconstruct_sequences`, with `reconstruct_steps`) are kept until the stream has
+    read them for the last time, so that training reads them again without sampling them again."""
 
     def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions, states: bool):
         self.teacher, self.start, self.pad, self.options, self.states = teacher, start, pad, options, states
-        self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def __iter__(self):
         recent = collections.deque(maxlen=self.options.sample_reads)  # the groups still to be read again
@@ -149,6 +149,8 @@ class TeacherSamples(torch.utils.data.IterableDataset):
             recent.appendleft(group)
             for reading, texts in enumerate(recent):  # the new group's first reading, then the earlier groups' next
                 yield from self._read(*texts, reading)
+            if len(recent) == recent.maxlen:  # the oldest group was read for the last time
+                self.kept.pop(recent[-1][0], None)
 
     def first_readings(self):
         """Every text once, in the order the stream first reads them."""
@@ -160,9 +162,9 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         together = sampled_together(compute_device(self.teacher))
         fitted = self.options.reconstruct_sequences if self.options.reconstruct_steps else 0
         for group in itertools.count():
-            ids, states = self.kept[group] if group < len(self.kept) else self._sample(group)
-            if group == len(self.kept) and group * together < fitted:
-                self.kept.append((ids, states))
+            ids, states = self.kept[group] if group in self.kept else self._sample(group)
+            if group * together < fitted:
+                self.kept[group] = ids, states
             yield group, ids, states
 
     def _read(self, group: int, ids: torch.Tensor, states: torch.Tensor | None, reading: int):

@@ -41,7 +41,15 @@ from .measure import masked_lm_loss, measure_states, student_states, teacher_sta
 from .models import HealModels, load_models, memory_settings
 from .options import HealError, HealOptions
 from .reconstruction import RECONSTRUCTION_LEARNING_RATE, reconstruct_layers, reconstruction_batches
-from .report import HealData, HealReport, MaskedLMLoss, NextTokenAgreement, Reconstruction, plot_history
+from .report import (
+    HealData,
+    HealReport,
+    MaskedLMLoss,
+    NextTokenAgreement,
+    Reconstruction,
+    TeacherSampling,
+    plot_history,
+)
 from .trainer import HealProbeCallback, HealTrainer, training_arguments
 
 
@@ -129,6 +137,7 @@ def _heal(
             text_columns=texts.columns,
             train_rows=len(texts.train) if isinstance(texts.train, Sized) else None,
             held_out_rows=texts.held_out_rows,
+            sampling=_sampling(options),
         ),
         objective=options.objective,
         steps=options.max_steps,
@@ -151,6 +160,18 @@ def _heal(
         log_history=log_history,
         reconstruction=reconstruction,
         **memory_settings(options),
+    )
+
+
+def _sampling(options: HealOptions) -> TeacherSampling | None:
+    """How the training text was sampled from the teacher, or None where it was not."""
+    if options.data != "teacher":
+        return None
+    return TeacherSampling(
+        temperature=options.sample_temperature,
+        length=options.sample_length,
+        count=options.sample_count,
+        reads=options.sample_reads,
     )
 
 

@@ -20,13 +20,26 @@ LINEAGE_KEYS = (
 
 
 @dataclass
+class TeacherSampling:
+    """How the teacher's texts were sampled: at which temperature, tokens a text, how many once (None: a new text
+    every time) and how many times each was read."""
+
+    temperature: float
+    length: int
+    count: int | None
+    reads: int
+
+
+@dataclass
 class HealData:
-    """The text healed on: its name, its text columns and the rows trained on and held out."""
+    """The text healed on: its name, its text columns, the rows trained on and held out, and with text sampled from
+    the teacher, how (`TeacherSampling`)."""
 
     name: str
     text_columns: list[str]
     train_rows: int | None  # None: a stream sampled from the teacher
     held_out_rows: int
+    sampling: TeacherSampling | None = None
 
 
 @dataclass
