@@ -132,13 +132,7 @@ def _heal(
     probe.history.append({"step": options.max_steps, **after[-1]})
     return HealReport(
         teacher=models.teacher_id,
-        data=HealData(
-            name=options.data,
-            text_columns=texts.columns,
-            train_rows=len(texts.train) if isinstance(texts.train, Sized) else None,
-            held_out_rows=texts.held_out_rows,
-            sampling=_sampling(options),
-        ),
+        data=_heal_data(texts, options),
         objective=options.objective,
         steps=options.max_steps,
         learning_rate=options.learning_rate,
@@ -163,15 +157,22 @@ def _heal(
     )
 
 
-def _sampling(options: HealOptions) -> TeacherSampling | None:
-    """How the training text was sampled from the teacher, or None where it was not."""
-    if options.data != "teacher":
-        return None
-    return TeacherSampling(
-        temperature=options.sample_temperature,
-        length=options.sample_length,
-        count=options.sample_count,
-        reads=options.sample_reads,
+def _heal_data(texts: HealTexts, options: HealOptions) -> HealData:
+    """heal.json's record of the text healed on, with how it was sampled where the teacher sampled it."""
+    sampling = None
+    if options.data == "teacher":
+        sampling = TeacherSampling(
+            temperature=options.sample_temperature,
+            length=options.sample_length,
+            count=options.sample_count,
+            reads=options.sample_reads,
+        )
+    return HealData(
+        name=options.data,
+        text_columns=texts.columns,
+        train_rows=len(texts.train) if isinstance(texts.train, Sized) else None,
+        held_out_rows=texts.held_out_rows,
+        sampling=sampling,
     )
 
 
