@@ -481,6 +481,7 @@ def test_settings_search_scores_on_the_development_split_never_validation(tmp_pa
 
     runs = {run["variant"]: run for run in document["runs"]}
     assert runs["post"]["point"] == post["chosen"] and runs["post"]["training_arguments"]["learning_rate"] == 1e-2
+    assert runs["post"]["learning_rate_scales"] is None  # relative_learning_rates is off by default
     assert runs["post"]["metrics"]["accuracy"] < 0.5 < post["points"][2]["dev_score"]  # validation disagrees
 
     # Search runs were scored on 16 training examples only; validation scored the final runs only.

