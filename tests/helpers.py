@@ -316,13 +316,17 @@ def assert_same_healing(healed: Path, reference: Path) -> None:
 
 def comparison_arguments(folder: Path) -> list[str]:
     """`compare`'s arguments for the sharded-comparison tests: a tiny BERT without dropout and a tiny task (written to
-    `folder`), `post` and `pre+heal` fine-tuned one epoch of 32 examples with one seed, every step logged."""
+    `folder`), `post` and `pre+heal` fine-tuned one epoch of 32 examples with one seed, every step logged, the
+    learning rates relative to the source's (measured on the sharded weights)."""
     no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
     save_source(folder / "bert", "bert", "Model", initializer_range=0.2, **no_dropout)
     task = tiny_task(folder / "task", rows=32)
     options = dict(model=str(folder / "bert"), task=str(task), text_columns=["text"], variants=["post", "pre+heal"])
     options.update(seeds=1, epochs=1, learning_rate=1e-3, logging_steps=1)
-    return [f"--{name.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for name, v in options.items()]
+    arguments = [
+        f"--{name.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for name, v in options.items()
+    ]
+    return [*arguments, "--relative-learning-rates"]
 
 
 def comparison_batch_arguments(per_process: int) -> list[str]:
@@ -345,3 +349,6 @@ def assert_same_comparison(output: Path, reference: Path) -> None:
         for key in ("loss", "accuracy"):
             assert abs(run["metrics"][key] - reference_run["metrics"][key]) <= TOLERANCE, (key, run, reference_run)
     assert got[1]["heal"]["after"] == pytest.approx(expected[1]["heal"]["after"], abs=TOLERANCE)
+    assert max(abs(scale - 1) for scale in got[0]["learning_rate_scales"].values()) < 1e-5  # post: the source
+    assert got[1]["learning_rate_scales"] == pytest.approx(expected[1]["learning_rate_scales"], rel=1e-5)
+    assert max(abs(scale - 1) for scale in got[1]["learning_rate_scales"].values()) > 0.01  # pre+heal: calibrated

@@ -137,6 +137,30 @@ def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source,
     assert finished.stat().st_mtime == mtime  # finished runs are skipped
 
 
+def test_relative_learning_rates_resume_as_they_began(tmp_path, bert_source, monkeypatch):
+    """An interrupted run with learning rates relative to the source resumes at the rates it began with, measured on
+    the variant as it starts (not on the checkpoint's weights), and records those."""
+    settings = dict(variants=["pre"], seeds=1, relative_learning_rates=True)
+    reference = run_comparison(experiment(tmp_path / "a", bert_source, **settings))
+
+    class Interrupted(runner.RelativeLearningRateTrainer):
+        def training_step(self, *args, **kwargs):
+            if self.state.global_step == 9:  # in the second epoch, after the first epoch's checkpoint
+                raise KeyboardInterrupt
+            return super().training_step(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "RelativeLearningRateTrainer", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_comparison(experiment(tmp_path / "b", bert_source, output=str(tmp_path / "b"), **settings))
+    monkeypatch.undo()
+    resumed = run_comparison(experiment(tmp_path / "b", bert_source, output=str(tmp_path / "b"), **settings))
+    (ours,), (theirs,) = resumed["runs"], reference["runs"]
+    assert ours["resumed"] is True and max(abs(scale - 1) for scale in theirs["learning_rate_scales"].values()) > 0.01
+    assert ours["learning_rate_scales"] == pytest.approx(theirs["learning_rate_scales"], rel=1e-9)
+    losses = [[e["loss"] for e in run["log_history"] if "loss" in e] for run in (ours, theirs)]
+    assert len(losses[0]) == len(losses[1]) and max(abs(a - b) for a, b in zip(*losses)) <= 1e-5
+
+
 def test_packing_gives_the_results_of_padding(tmp_path):
     """--packing changes the layout of every batch, not the examples in it: the same losses, gradient norms and
     metrics."""

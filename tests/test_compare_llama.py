@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 from hf_normswap import NormSwapForSequenceClassification, convert_checkpoint, smollm2_gguf
 from hf_normswap.compare import comparison
 from hf_normswap.compare.comparison import Experiment, run_comparison
-from hf_normswap.compare.learning_rates import RelativeLearningRateTrainer, weight_sizes
+from hf_normswap.compare.learning_rates import RelativeLearningRateTrainer, learning_rate_scales, weight_sizes
 from hf_normswap.convert import load_unswapped
 from hf_normswap.heal.options import FITTED_DEFAULTS
 
@@ -84,16 +84,14 @@ def test_relative_learning_rates_are_the_conversions_scales(tmp_path):
     )
     model = NormSwapForSequenceClassification.from_pretrained(tmp_path / "post", num_labels=2)
     args = TrainingArguments(tmp_path / "out", learning_rate=1e-3, weight_decay=0.1, use_cpu=True, report_to=[])
-    trainer = RelativeLearningRateTrainer(
-        model=model, args=args, source_sizes=weight_sizes(load_unswapped(str(tmp_path / "llama")))
-    )
-    scales = trainer.learning_rate_scales
+    scales = learning_rate_scales(model, weight_sizes(load_unswapped(str(tmp_path / "llama"))))
     writes = {"attention_norms": "self_attn.o_proj", "mlp_norms": "mlp.down_proj"}
     for point, write_scale in record["calibration"]["write_scales"].items():
         layer, norms = point.rsplit(".", 1)
         assert scales[f"model.{layer}.{writes[norms]}.weight"] == pytest.approx(write_scale, rel=1e-5), point
     assert abs(scales["model.embeddings.word_embeddings.weight"] - 1) < 1e-6 and scales["classifier.weight"] == 1.0
     assert scales["model.layers.0.attention_norms.residual_norm.weight"] == 1.0
+    trainer = RelativeLearningRateTrainer(model=model, args=args, learning_rate_scales=scales)
     groups = {id(group["params"][0]): group for group in trainer.create_optimizer().param_groups}
     for name, weight in model.named_parameters():
         group = groups[id(weight)]

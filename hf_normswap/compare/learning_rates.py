@@ -9,7 +9,6 @@ Measured: docs/experiments/main-job.md.
 """
 
 import torch
-from torch.distributed.tensor import DTensor
 from transformers import Trainer
 
 
@@ -20,7 +19,7 @@ def weight_sizes(model: torch.nn.Module) -> dict[str, float]:
 
 def learning_rate_scales(model: torch.nn.Module, source_sizes: dict[str, float]) -> dict[str, float]:
     """Each trained parameter's learning-rate scale, by its name in `model`: a base-model matrix's RMS over the
-    source's matrix of that name and shape (`source_sizes`: `weight_sizes` of the source), else 1."""
+    source's matrix of that name (`source_sizes`: `weight_sizes` of the source), else 1."""
     by_id = {}
     for name, weight in model.base_model.named_parameters():
         if weight.dim() >= 2 and source_sizes.get(name):
@@ -29,23 +28,22 @@ def learning_rate_scales(model: torch.nn.Module, source_sizes: dict[str, float])
 
 
 class RelativeLearningRateTrainer(Trainer):
-    """A Trainer whose optimizer gives each parameter the learning rate scaled by its `learning_rate_scales` against
-    `source_sizes` (weight decay and the schedule as the Trainer sets them)."""
+    """A Trainer whose optimizer gives each trained parameter the learning rate times its scale in
+    `learning_rate_scales` (by parameter name; weight decay and the schedule as the Trainer sets them)."""
 
-    def __init__(self, *args, source_sizes: dict[str, float], **kwargs):
+    def __init__(self, *args, learning_rate_scales: dict[str, float], **kwargs):
         super().__init__(*args, **kwargs)
-        self.learning_rate_scales = learning_rate_scales(self.model, source_sizes)
+        self.learning_rate_scales = learning_rate_scales
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             model = self.model if model is None else model
-            scales = self.learning_rate_scales
             decayed = set(self.get_decay_parameter_names(model))
             optimizer_class, settings = self.get_optimizer_cls_and_kwargs(self.args, model)
             groups = [
                 {
                     "params": [weight],
-                    "lr": self.args.learning_rate * scales[name],
+                    "lr": self.args.learning_rate * self.learning_rate_scales[name],
                     "weight_decay": self.args.weight_decay if name in decayed else 0.0,
                 }
                 for name, weight in model.named_parameters()
@@ -56,5 +54,4 @@ class RelativeLearningRateTrainer(Trainer):
 
 
 def _rms(weight: torch.Tensor) -> float:
-    weight = weight.full_tensor() if isinstance(weight, DTensor) else weight  # sharded: every process gathers it
     return weight.detach().float().pow(2).mean().sqrt().item()

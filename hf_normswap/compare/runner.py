@@ -31,9 +31,10 @@ from ..sharding.fsdp import (
     take_main_dtypes,
     trainer_arguments,
 )
+from ..sharding.processes import from_main_process, is_main_process, world_size
 from ..tasks import Task, unigram_loss
 from .experiment import Experiment, Variant
-from .learning_rates import RelativeLearningRateTrainer, weight_sizes
+from .learning_rates import RelativeLearningRateTrainer, learning_rate_scales, weight_sizes
 from .metrics import load_metric
 from .training_diagnostics import DiagnosticsCallback
 from .variants import Start, build_model, profile_admin_start
@@ -140,15 +141,15 @@ class Runner:
 
     def _train(self, start, variant, seed, point, train, evaluation, run_dir: Path) -> RunResult:
         model, admin_profile = self.build(start, seed)
+        scales = self._learning_rate_scales(start, model)  # before sharding: the main process holds the weights
         prepare_trained(model, self.experiment.sharding)  # sharded across the processes with `fsdp` (on CPU)
         args = self._arguments(point, seed, run_dir, model)
         probe = self.collator([evaluation[i] for i in range(min(PROBE_SIZE, len(evaluation)))])
         probe = {name: values.tolist() for name, values in probe.items()}
         source_collapse = self._source_collapse(start, probe)
-        relative = self.experiment.relative_learning_rates and start.kind == "converted"
         trainer_class = Trainer
-        if relative:
-            trainer_class = functools.partial(RelativeLearningRateTrainer, source_sizes=self.source_sizes)
+        if scales is not None:
+            trainer_class = functools.partial(RelativeLearningRateTrainer, learning_rate_scales=scales)
         trainer = trainer_class(
             model=model,
             args=args,
@@ -179,8 +180,22 @@ class Runner:
             source_collapse=source_collapse,
             heal=start.heal,
             admin_profile=admin_profile,
-            learning_rate_scales=trainer.learning_rate_scales if relative else None,
+            learning_rate_scales=scales,
         )
+
+    def _learning_rate_scales(self, start: Start, model: torch.nn.Module) -> dict[str, float] | None:
+        """With `relative_learning_rates`, a converted variant's `learning_rate_scales` against the source, measured by
+        the main process (sharded, the others may not hold the weights yet) and handed to every process."""
+        if not (self.experiment.relative_learning_rates and start.kind == "converted"):
+            return None
+        names = [name for name, weight in model.named_parameters() if weight.requires_grad]
+        measured = None
+        if is_main_process():
+            scales = learning_rate_scales(model, self.source_sizes)
+            measured = torch.tensor([scales[name] for name in names], dtype=torch.float64)
+        if world_size() > 1:
+            measured = from_main_process(measured, (len(names),), torch.float64)
+        return dict(zip(names, measured.tolist()))
 
     def _arguments(self, point: dict, seed: int, run_dir: Path, model: torch.nn.Module) -> TrainingArguments:
         """The run's training arguments, with the experiment's sharding and mixed precision (`trainer_arguments`)."""
