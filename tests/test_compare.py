@@ -101,26 +101,27 @@ def test_report_schema_reproduction_and_diagnostics(tmp_path, bert_source):
         assert any("residual_rms" in record for record in later)
 
 
-def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source, monkeypatch):
-    reference = run_comparison(experiment(tmp_path / "a", bert_source, variants=["post", "pre"], seeds=1))
+@pytest.mark.parametrize("relative", [False, True], ids=["one-learning-rate", "relative-learning-rates"])
+def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source, monkeypatch, relative):
+    """An interrupted comparison resumes to the same results; with learning rates relative to the source, at the rates
+    its runs began with (measured on the variant as it starts, not on the checkpoint's weights)."""
+    settings = dict(variants=["post", "pre"], seeds=1, relative_learning_rates=relative)
+    reference = run_comparison(experiment(tmp_path / "a", bert_source, **settings))
+    trainer = "RelativeLearningRateTrainer" if relative else "Trainer"
 
-    class Interrupted(Trainer):
+    class Interrupted(getattr(runner, trainer)):
         def training_step(self, *args, **kwargs):
             if self.state.global_step == 9:  # in the second epoch, after the first epoch's checkpoint
                 raise KeyboardInterrupt
             return super().training_step(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "Trainer", Interrupted)
+    monkeypatch.setattr(runner, trainer, Interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_comparison(
-            experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b"))
-        )
+        run_comparison(experiment(tmp_path / "b", bert_source, output=str(tmp_path / "b"), **settings))
     finished = tmp_path / "b" / "runs" / "post-seed0" / "result.json"
     assert not finished.exists() and list((tmp_path / "b" / "runs" / "post-seed0").glob("checkpoint-*"))
-    monkeypatch.setattr(runner, "Trainer", Trainer)
-    resumed = run_comparison(
-        experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b"))
-    )
+    monkeypatch.undo()
+    resumed = run_comparison(experiment(tmp_path / "b", bert_source, output=str(tmp_path / "b"), **settings))
     for ours, theirs in zip(resumed["runs"], reference["runs"]):
         assert ours["variant"] == theirs["variant"]
         ours_losses = [(e["step"], e["loss"]) for e in ours["log_history"] if "loss" in e]
@@ -129,36 +130,14 @@ def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source,
         assert max(abs(a - b) for (_, a), (_, b) in zip(ours_losses, theirs_losses)) <= 1e-5
         assert abs(ours["metrics"]["accuracy"] - theirs["metrics"]["accuracy"]) <= 1e-6
         assert len(ours["diagnostics"]) == len(theirs["diagnostics"])
+        assert ours["learning_rate_scales"] == theirs["learning_rate_scales"]
     assert resumed["runs"][0]["resumed"] is True
+    if relative:  # post is the source as converted; pre's writes are calibrated
+        post, pre = (run["learning_rate_scales"] for run in reference["runs"])
+        assert max(abs(scale - 1) for scale in post.values()) < 1e-6 < 0.01 < max(abs(s - 1) for s in pre.values())
     mtime = finished.stat().st_mtime
-    run_comparison(
-        experiment(tmp_path / "b", bert_source, variants=["post", "pre"], seeds=1, output=str(tmp_path / "b"))
-    )
+    run_comparison(experiment(tmp_path / "b", bert_source, output=str(tmp_path / "b"), **settings))
     assert finished.stat().st_mtime == mtime  # finished runs are skipped
-
-
-def test_relative_learning_rates_resume_as_they_began(tmp_path, bert_source, monkeypatch):
-    """An interrupted run with learning rates relative to the source resumes at the rates it began with, measured on
-    the variant as it starts (not on the checkpoint's weights), and records those."""
-    settings = dict(variants=["pre"], seeds=1, relative_learning_rates=True)
-    reference = run_comparison(experiment(tmp_path / "a", bert_source, **settings))
-
-    class Interrupted(runner.RelativeLearningRateTrainer):
-        def training_step(self, *args, **kwargs):
-            if self.state.global_step == 9:  # in the second epoch, after the first epoch's checkpoint
-                raise KeyboardInterrupt
-            return super().training_step(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "RelativeLearningRateTrainer", Interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run_comparison(experiment(tmp_path / "b", bert_source, output=str(tmp_path / "b"), **settings))
-    monkeypatch.undo()
-    resumed = run_comparison(experiment(tmp_path / "b", bert_source, output=str(tmp_path / "b"), **settings))
-    (ours,), (theirs,) = resumed["runs"], reference["runs"]
-    assert ours["resumed"] is True and max(abs(scale - 1) for scale in theirs["learning_rate_scales"].values()) > 0.01
-    assert ours["learning_rate_scales"] == pytest.approx(theirs["learning_rate_scales"], rel=1e-9)
-    losses = [[e["loss"] for e in run["log_history"] if "loss" in e] for run in (ours, theirs)]
-    assert len(losses[0]) == len(losses[1]) and max(abs(a - b) for a, b in zip(*losses)) <= 1e-5
 
 
 def test_packing_gives_the_results_of_padding(tmp_path):
