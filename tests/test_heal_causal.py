@@ -19,7 +19,6 @@ from hf_normswap.convert.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.heal import HealError, HealOptions, losses, reconstruction
 from hf_normswap.heal.data import TEACHER_STATES, heal_texts, sampled_together, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
-from hf_normswap.heal.options import FITTED_DEFAULTS
 from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_batches
 from hf_normswap.heal.trainer import HealTrainer
 from hf_normswap.hub.card import build_card
@@ -250,30 +249,21 @@ def test_the_layers_are_fitted_by_default_out_of_pre_ln_with_the_direct_swap():
     assert HealOptions(reconstruct_steps=5, learning_rate=3e-4).for_head("causal-lm", True).learning_rate == 3e-4
 
 
-def test_a_healing_reconstructs_the_layers_first(llama):
+@pytest.mark.parametrize("data", ["teacher", "sst2-sample"])  # the default, and the task's text as --config llama
+def test_a_healing_reconstructs_the_layers_first(llama, data):
+    output = llama / f"reconstructed-{data}"
     report = heal_checkpoint(
-        str(llama / "post"), str(llama / "reconstructed"), **HEAL, reconstruct_steps=20, reconstruct_sequences=32
+        str(llama / "post"), str(output), **HEAL, data=data, reconstruct_steps=20, reconstruct_sequences=32
     )
     reconstruction = report["reconstruction"]
+    assert report["data"]["name"] == data and (report["data"]["sampling"] is None) == (data != "teacher")
     assert reconstruction["sequences"] == 32 and reconstruction["steps"] == 20 and reconstruction["seconds"] > 0
     assert len(reconstruction["layer_errors"]) == 2
     assert all(after < before for before, after in reconstruction["layer_errors"])
     conversion, start = reconstruction["conversion"], report["next_token"]["before"]
     assert len(conversion["kl_by_layer"]) == 2 and "kl_by_layer" not in start  # measured on the conversion only
     assert start["kl"] < 0.99 * conversion["kl"]  # healing starts from the fitted layers (measured: 0.969)
-    assert json.loads((llama / "reconstructed" / "heal.json").read_text())["reconstruction"] == reconstruction
-
-
-def test_the_layers_are_fitted_on_the_tasks_text(llama):
-    """As `compare --config llama` heals: the fit reads the first sentences of the task's training text."""
-    report = heal_checkpoint(
-        str(llama / "post"), str(llama / "fitted-on-text"), **HEAL, data="sst2-sample", reconstruct_sequences=32
-    )
-    reconstruction = report["reconstruction"]
-    assert report["data"]["name"] == "sst2-sample" and report["data"]["sampling"] is None
-    assert reconstruction["sequences"] == 32 and reconstruction["steps"] == FITTED_DEFAULTS["reconstruct_steps"]
-    assert all(after < before for before, after in reconstruction["layer_errors"])
-    assert report["next_token"]["before"]["kl"] < 0.99 * reconstruction["conversion"]["kl"]
+    assert json.loads((output / "heal.json").read_text())["reconstruction"] == reconstruction
 
 
 @pytest.mark.parametrize("kept", [True, False])
