@@ -1,0 +1,68 @@
+"""scripts/bench_heal.py's ceiling on a CPU: the FLOPs a trained token costs, counted from the healed model's own
+parameters, and the tokens a second a matrix-product rate allows."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from helpers import tiny_config
+
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_heal", ROOT / "scripts" / "bench_heal.py")
+bench_heal = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_heal)
+
+
+@pytest.fixture(scope="module")
+def healed(tmp_path_factory):
+    """A tiny causal LM's folder, its tied head's parameters and those of its layers."""
+    config = tiny_config(is_causal=True, tie_word_embeddings=True, architectures=["NormSwapForCausalLM"])
+    folder = tmp_path_factory.mktemp("healed")
+    config.save_pretrained(folder)
+    per_layer = 4 * 32 * 32 + 4 * 32 + 2 * 32 * 64 + 64 + 32 + 2 * 2 * 32  # attention, MLP, their norms (with biases)
+    return folder, 99 * 32, 2 * per_layer
+
+
+def sampled(reads):
+    """A report's text sampled from the teacher, each text read `reads` times."""
+    return {"name": "teacher", "sampling": {"reads": reads}}
+
+
+@pytest.mark.parametrize(
+    ("data", "frozen", "lora", "trained", "teacher"),
+    [  # what a token's weight gradients and the teacher cost, in parameters times 2 FLOP
+        (sampled(1), True, False, lambda layers, head: layers, lambda layers, head: layers + 2 * head),
+        (sampled(2), True, False, lambda layers, head: layers, lambda layers, head: (layers + head) / 2 + head),
+        (
+            {"name": "sst2-sample", "sampling": None},
+            True,
+            False,
+            lambda layers, head: layers,
+            lambda layers, head: layers + head,
+        ),
+        (sampled(1), False, False, lambda layers, head: layers + head, lambda layers, head: layers + 2 * head),
+        (sampled(1), True, True, lambda layers, head: 0, lambda layers, head: layers + 2 * head),
+    ],
+    ids=["sampled", "read-twice", "task-text", "embeddings-train", "lora"],
+)
+def test_a_trained_token_costs_the_students_passes_and_the_teachers(healed, data, frozen, lora, trained, teacher):
+    folder, head, layers = healed
+    report = {"data": data, "freeze_embeddings": frozen, "lora": lora}
+    expected = 4 * (layers + head) + 2 * trained(layers, head) + 2 * teacher(layers, head)
+    assert bench_heal._flops_per_token(folder, report) == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_ceiling_is_the_rate_over_a_tokens_cost():
+    report = {"flops_per_token": 2.0e9, "cpu_flops": 1.0e11, "tokens": 1000, "seconds": 40.0}
+    rows = {name: value for name, _, value, _, _ in bench_heal._ceiling_rows(report)}
+    assert rows["tokens a second at that rate (the ceiling)"] == pytest.approx(50.0, rel=1e-12)
+    assert rows["share of the ceiling reached"] == pytest.approx(0.5, rel=1e-12)
+    assert rows["GFLOP a trained token (student and teacher)"] == pytest.approx(2.0, rel=1e-12)
+    assert bench_heal._ceiling_rows({"tokens": 1000, "seconds": 40.0}) == []  # healed on an accelerator
+
+
+def test_the_matrix_product_rate_is_measured():
+    rate = bench_heal._matrix_product_rate(size=128, rounds=2, repeats=2)
+    assert 1e8 < rate < 1e14  # FLOP a second: between a slow core and any accelerator's float32
