@@ -140,9 +140,9 @@ def _causal_rows(report: dict) -> list[tuple]:
 
 def _flops_per_token(healed: Path, report: dict) -> float:
     """Matrix-product FLOPs a trained token costs: the student's forward and backward passes (no weight gradient for
-    frozen embeddings, a head tied to them, or under LoRA), the teacher's forward (sampling its text, once for all of a
-    text's reads) and its head again for the KL's targets. Attention's score products are left out (under 2% at 64
-    tokens)."""
+    frozen embeddings, a head tied to them, or under LoRA) and the teacher's forward: on a stream of its own samples,
+    the sampling (once for all of a text's reads) and its head again for the KL's targets. A fixed `--sample-count`'s
+    sampling before training and attention's score products are left out (the latter under 2% at 64 tokens)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(healed))
     head = model.get_output_embeddings().weight.numel()
@@ -152,8 +152,8 @@ def _flops_per_token(healed: Path, report: dict) -> float:
         if report["lora"]
         else layers + (0 if report["freeze_embeddings"] and model.config.tie_word_embeddings else head)
     )
-    sampling = report["data"]["sampling"]
-    teacher = 2 * (layers + head) / (sampling["reads"] if sampling else 1) + (2 * head if sampling else 0)
+    stream = report["data"]["sampling"] and report["data"]["sampling"]["count"] is None  # sampled as training reads
+    teacher = 2 * (layers + head) / report["data"]["sampling"]["reads"] + 2 * head if stream else 2 * (layers + head)
     return 4 * (layers + head) + 2 * trained + teacher
 
 

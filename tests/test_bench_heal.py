@@ -25,9 +25,9 @@ def healed(tmp_path_factory):
     return folder, 99 * 32, 2 * per_layer
 
 
-def sampled(reads):
-    """A report's text sampled from the teacher, each text read `reads` times."""
-    return {"name": "teacher", "sampling": {"reads": reads}}
+def sampled(reads, count=None):
+    """A report's text sampled from the teacher: a stream, each text read `reads` times, or `count` texts."""
+    return {"name": "teacher", "sampling": {"reads": reads, "count": count}}
 
 
 @pytest.mark.parametrize(
@@ -42,10 +42,11 @@ def sampled(reads):
             lambda layers, head: layers,
             lambda layers, head: layers + head,
         ),
+        (sampled(1, count=64), True, False, lambda layers, head: layers, lambda layers, head: layers + head),
         (sampled(1), False, False, lambda layers, head: layers + head, lambda layers, head: layers + 2 * head),
         (sampled(1), True, True, lambda layers, head: 0, lambda layers, head: layers + 2 * head),
     ],
-    ids=["sampled", "read-twice", "task-text", "embeddings-train", "lora"],
+    ids=["sampled", "read-twice", "task-text", "sampled-once", "embeddings-train", "lora"],
 )
 def test_a_trained_token_costs_the_students_passes_and_the_teachers(healed, data, frozen, lora, trained, teacher):
     folder, head, layers = healed
