@@ -147,13 +147,12 @@ def _flops_per_token(healed: Path, report: dict) -> float:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(healed))
     head = model.get_output_embeddings().weight.numel()
     layers = sum(parameter.numel() for name, parameter in model.named_parameters() if ".layers." in name)
-    trained = (
-        0
-        if report["lora"]
-        else layers + (0 if report["freeze_embeddings"] and model.config.tie_word_embeddings else head)
-    )
-    stream = report["data"]["sampling"] and report["data"]["sampling"]["count"] is None  # sampled as training reads
-    teacher = 2 * (layers + head) / report["data"]["sampling"]["reads"] + 2 * head if stream else 2 * (layers + head)
+    head_trains = not (report["freeze_embeddings"] and model.config.tie_word_embeddings)
+    trained = 0 if report["lora"] else layers + head * head_trains
+    teacher = 2 * (layers + head)
+    sampling = report["data"]["sampling"]
+    if sampling and sampling["count"] is None:  # a stream, sampled as training reads it
+        teacher = teacher / sampling["reads"] + 2 * head
     return 4 * (layers + head) + 2 * trained + teacher
 
 
