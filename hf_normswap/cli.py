@@ -331,15 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()  # the Trainer's own progress bars stay
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()
+    from .sharding.processes import end_processes
+
     try:
         COMMANDS[args.command][1](args)
     except (ValueError, OSError, StrictDataclassError) as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"hf-normswap {args.command}: error: {message}", file=sys.stderr)
         return 1
-    from .sharding.processes import end_processes
-
-    end_processes()  # under torchrun or accelerate launch
+    finally:
+        end_processes()  # under torchrun or accelerate launch, whether the command ended or failed
     return 0
 
 

@@ -3,10 +3,6 @@ loss (2 processes report what 1 does), the cache a causal forward returns, stati
 rope parameters only for RoPE, and a tensor-parallel plan (2 CPU processes compute what 1 does)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +20,9 @@ from hf_normswap import (
 )
 
 from helpers import LLAMA_LIKE, left_padded_prompts, padded_batch, tiny_config
+from launches import TESTS, torchrun
 
 
-TESTS = Path(__file__).parent
 LLAMA = LLAMA_LIKE
 DECODERS = {  # the configurations Transformers' common tests were run on, and a Gemma-like one
     "llama": LLAMA,
@@ -45,16 +41,6 @@ DECODERS = {  # the configurations Transformers' common tests were run on, and a
     ),
 }
 CONFIGS = {"bert-like": {}, **{name: dict(fields, is_causal=True) for name, fields in DECODERS.items()}}
-
-
-def torchrun(script: str, *args, processes: int, cwd: Path) -> None:
-    """Runs tests/SCRIPT under `torchrun --standalone` on CPU, with a timeout."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    process = subprocess.run(
-        [*command, str(TESTS / script), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
-    )
-    assert process.returncode == 0, process.stderr[-3000:]
 
 
 def greedy(model, **kwargs):
@@ -104,8 +90,8 @@ def test_heads_declare_whether_the_trainer_may_rescale_their_loss(tmp_path):
 def test_two_processes_report_the_losses_of_one(tmp_path):
     """Every head, a few Trainer steps: 2 processes of 4 examples log the per-step loss, gradient norm and eval loss
     of 1 process of 8 (to 1e-5; measured: under 1e-6). Before the declaration, 2 processes read 1.388 for 0.694."""
-    torchrun("distributed_loss.py", tmp_path / "two.json", 4, processes=2, cwd=tmp_path)
-    torchrun("distributed_loss.py", tmp_path / "one.json", 8, processes=1, cwd=tmp_path)
+    torchrun(TESTS / "distributed_loss.py", tmp_path / "two.json", 4, processes=2, cwd=tmp_path)
+    torchrun(TESTS / "distributed_loss.py", tmp_path / "one.json", 8, processes=1, cwd=tmp_path)
     two, one = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("two", "one"))
     assert set(two) == {
         "sequence-classification",
@@ -272,7 +258,9 @@ def test_tensor_parallel_on_two_cpu_processes_computes_what_one_does(tmp_path):
     """`from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))` (the `tp_plan="auto"` of
     Transformers 5) under torchrun with gloo: logits, loss and every gradient within 1e-5 of the unsharded model
     (measured: under 1e-6), the same greedy tokens with dynamic and static caches."""
-    torchrun("distributed_tensor_parallel.py", tmp_path / "tp.json", tmp_path / "models", processes=2, cwd=tmp_path)
+    torchrun(
+        TESTS / "distributed_tensor_parallel.py", tmp_path / "tp.json", tmp_path / "models", processes=2, cwd=tmp_path
+    )
     results = json.loads((tmp_path / "tp.json").read_text())
     assert len(results) == 5
     attention = {f"model.layers.*.self_attn.{name}_proj.weight" for name in "qkvo"}

@@ -6,7 +6,6 @@ of float32 sums (all-gathers are exact; a reduce-scatter averages 2 partial grad
 across processes), which moves results by a few float32 roundings (about 1e-7 here), far below 1e-5."""
 
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -30,9 +29,9 @@ from helpers import (
     sharding_variants,
     tensors,
 )
+from launches import TESTS, torchrun
 
 
-TESTS = Path(__file__).parent
 ACCELERATE_ON_CPU = TESTS / "accelerate_fsdp_on_cpu.py"
 # what `accelerate launch` with the shipped fsdp2_bf16 configuration sets for its processes, in float32
 FSDP2 = {
@@ -42,25 +41,6 @@ FSDP2 = {
     "FSDP_TRANSFORMER_CLS_TO_WRAP": "NormSwapLayer",
     "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
 }
-
-
-def torchrun(*arguments, processes: int, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs `arguments` (a tests/ script, or -m and a module) under `torchrun --standalone` on CPU, importing this
-    checkout's hf_normswap, with `env` added to the environment."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
-        **(env or {}),
-    }
-    process = subprocess.run(
-        [*command, *map(str, arguments)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
-    )
-    assert process.returncode == 0, process.stderr[-3000:]
-    return process
 
 
 def records_by_rank(script: Path, *arguments, processes: int, folder: Path, env: dict | None = None) -> list[dict]:
@@ -173,12 +153,13 @@ def test_only_the_main_process_reads_the_weights(variants, tmp_path):
 
 
 def test_the_command_line_ends_the_launchs_process_group(variants, tmp_path):
-    """Once a sharded healing has run, `hf-normswap` has freed the launch's process group on every process, its gloo
-    workers joined before the interpreter exits (`end_processes`)."""
+    """Once a sharded healing has run, or has failed (its output is there already), `hf-normswap` has freed the
+    launch's process group on every process, its gloo workers joined before the interpreter exits (`end_processes`)."""
     healing = ["heal", variants / "tied" / "variant", tmp_path / "healed", "--fsdp", "--data", variants / "text.txt"]
     steps = ["--max-steps", "1", "--batch-size", "2", "--eval-size", "4"]
-    records = records_by_rank(TESTS / "distributed_cli.py", *healing, *steps, processes=2, folder=tmp_path)
-    assert records == [{"code": 0, "group_freed": True}] * 2
+    for folder, code in ((tmp_path / "healing", 0), (tmp_path / "again", 1)):
+        records = records_by_rank(TESTS / "distributed_cli.py", *healing, *steps, processes=2, folder=folder)
+        assert records == [{"code": code, "group_freed": True}] * 2
 
 
 @pytest.mark.parametrize("placement", ["post", "pre"])
