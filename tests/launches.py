@@ -10,7 +10,9 @@ from pathlib import Path
 
 
 TESTS = Path(__file__).parent
-ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\s*(?P<exitcode>-?\d+)", re.S
+)
 
 
 def torchrun(*arguments, processes: int, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -34,18 +36,20 @@ def torchrun(*arguments, processes: int, cwd: Path, env: dict | None = None) -> 
             [*command, *map(str, arguments)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
         )
         root = ROOT_CAUSE.search(process.stderr)
-        if process.returncode == 0 or attempt or root is None or int(root.group(2)) >= 0:
+        signalled = process.returncode != 0 and root is not None and int(root["exitcode"]) < 0
+        if attempt or not signalled:
             break
-        warnings.warn(f"torchrun: rank {root.group(1)} ended by a signal, launched again:\n{first_failure(process)}")
-    assert process.returncode == 0, first_failure(process)
+        report = first_failure(process.stderr)
+        warnings.warn(f"torchrun: rank {root['rank']} ended by a signal, launched again:\n{report}")
+    assert process.returncode == 0, first_failure(process.stderr)
     return process
 
 
-def first_failure(process: subprocess.CompletedProcess) -> str:
+def first_failure(stderr: str) -> str:
     """What a failed launch printed, less the lines that the processes which failed after the first one prefixed
     with their rank (their tracebacks follow from its end), the last 6000 characters."""
-    root = ROOT_CAUSE.search(process.stderr)
+    root = ROOT_CAUSE.search(stderr)
     if root is None:
-        return process.stderr[-6000:]
-    others = re.compile(rf"\[rank(?!{root.group(1)}\])\d+\]:")
-    return "\n".join(line for line in process.stderr.splitlines() if not others.match(line))[-6000:]
+        return stderr[-6000:]
+    others = re.compile(rf"\[rank(?!{root['rank']}\])\d+\]:")
+    return "\n".join(line for line in stderr.splitlines() if not others.match(line))[-6000:]

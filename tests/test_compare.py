@@ -1,8 +1,5 @@
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from hf_normswap.compare.comparison import Experiment, run_comparison
 from hf_normswap.compare.experiment import Variant
 
 from helpers import save_source, tiny_task
+from launches import torchrun
 
 
 @pytest.fixture
@@ -314,39 +312,19 @@ def test_empty_dataset_is_refused(tmp_path, bert_source, capsys):
 
 def test_data_parallel_run_writes_one_report(tmp_path, bert_source):
     task = tiny_task(tmp_path / "task", rows=32)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29533",
-        "-m",
-        "hf_normswap.cli",
-        "compare",
-        "--model",
-        bert_source,
-        "--task",
-        str(task),
-        "--text-columns",
-        "text",
-        "--variants",
-        "post,pre",
-        "--seeds",
-        "1",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "4",
-        "--logging-steps",
-        "2",
-        "--output",
-        str(tmp_path / "out"),
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert process.returncode == 0, process.stderr[-3000:]
+    arguments = {
+        "model": bert_source,
+        "task": task,
+        "text-columns": "text",
+        "variants": "post,pre",
+        "seeds": 1,
+        "epochs": 1,
+        "batch-size": 4,
+        "logging-steps": 2,
+        "output": tmp_path / "out",
+    }
+    options = [f"--{name}={value}" for name, value in arguments.items()]
+    process = torchrun("-m", "hf_normswap.cli", "compare", *options, processes=2, cwd=tmp_path)
     assert process.stdout.count("report:") == 1
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(saved["summary"]) == {"post", "pre"} and len(saved["runs"]) == 2
