@@ -34,7 +34,7 @@ def load_task(
     label_column: str | None = "label",
     data_dir: str | None = None,
 ) -> Task:
-    """Loads `task`: a GLUE name (`sst2`, `rte`), `sst2-sample` (704 SST-2 training and 436 validation
+    """Loads `task`: a GLUE name (`sst2`, `rte`), `sst2-sample` (704 SST-2 training and 3,000 evaluation
     sentences, shipped with the package), or a path to a CSV / JSON-lines file or a folder of them.
 
     GLUE tasks come from `data_dir` (default: the `HF_NORMSWAP_GLUE_DIR` environment variable) when given, else from

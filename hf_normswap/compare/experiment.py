@@ -95,7 +95,14 @@ class Experiment:
     label_column: str = _option("label", "the label column of a task file")
     data_dir: str | None = _option(None, "folder holding GLUE TASK/train.jsonl and TASK/validation.jsonl")
     tokenizer: str | None = _option(None, "default: the model's (for a config JSON: all-MiniLM-L6-v2's)")
-    seeds: int = _option(3, "runs per variant, seeds 0, 1, ...", _AT_LEAST_1)
+    seeds: int = _option(3, "runs per variant, seeds 0, 1, ... (with ci_half_width: the first round)", _AT_LEAST_1)
+    ci_half_width: float | None = _option(
+        None,
+        "the half-width wanted on each paired difference's 95% interval (points for accuracy, the metric's unit for a "
+        "loss): seeds are added in rounds until every difference holds it, or max_seeds",
+        _POSITIVE,
+    )
+    max_seeds: int = _option(12, "with ci_half_width, the most seeds a variant runs", _AT_LEAST_1)
     output: str = _option("normswap-comparison", "folder of the report; a rerun resumes what is unfinished")
     learning_rate: float = _option(2e-5, "peak learning rate", _POSITIVE)
     learning_rates: list[float] | None = _option(
@@ -115,8 +122,14 @@ class Experiment:
     )
     dev_fraction: float = _option(
         0.1,
-        "of the training data, held out (seed 0) to score the grid; validation is never used",
-        Rule(lambda v: 0 < v < 1, "a fraction of the training data, in (0, 1)"),
+        "of the training data, held out (seed 0): every run evaluates on it each epoch (convergence, early stopping) "
+        "and a grid is scored on it; validation is never used; 0: no development split",
+        Rule(lambda v: 0 <= v < 1, "a fraction of the training data, in [0, 1)"),
+    )
+    early_stopping_patience: int | None = _option(
+        None,
+        "stop a run after this many epochs without a lower development loss, and keep its best epoch",
+        _AT_LEAST_1,
     )
     search_seeds: int = _option(1, "runs per grid point on the development split", _AT_LEAST_1)
     batch_size: int = _option(32, "examples per device and step", _AT_LEAST_1)
@@ -132,6 +145,7 @@ class Experiment:
         Rule(lambda v: v == -1 or v >= 1, "-1 (train for epochs) or at least 1"),
     )
     max_train_samples: int | None = _option(None, "cut the training data to this many examples", _AT_LEAST_1)
+    max_eval_samples: int | None = _option(None, "cut the evaluation data to this many examples", _AT_LEAST_1)
     logging_steps: int = _option(10, "log the training loss every this many steps", _AT_LEAST_1)
     norm_mapping: str = _option(
         "shift", f"how converted norms are mapped: {', '.join(NORM_MAPPINGS)}", choices=NORM_MAPPINGS
@@ -240,6 +254,15 @@ class Experiment:
             )
         if from_config and any(variant.native for variant in variants):
             raise ValueError("variant 'native' needs a pretrained checkpoint, not a NormSwap configuration")
+        if self.ci_half_width is not None and len(variants) < 2:
+            raise ValueError("ci_half_width needs two variants or more: it is the width of their paired differences")
+        if self.ci_half_width is not None and self.max_seeds < self.seeds:
+            raise ValueError(f"max_seeds={self.max_seeds} is invalid: it must be at least seeds ({self.seeds})")
+        if self.dev_fraction == 0 and (
+            self.early_stopping_patience is not None or self.learning_rates or self.warmup_ratios
+        ):
+            what = "early_stopping_patience" if self.early_stopping_patience is not None else "a settings grid"
+            raise ValueError(f"dev_fraction=0 is invalid with {what}: it needs a development split")
         if self.task_type == "causal-lm" and self.attention == "bidirectional":
             raise ValueError("attention='bidirectional' is invalid with task_type='causal-lm': it needs causal")
 
@@ -256,6 +279,13 @@ class Experiment:
     @property
     def reference_variant(self) -> str:
         return self.reference or self.variants[0]
+
+    @property
+    def width_in_metric_units(self) -> float | None:
+        """`ci_half_width` as a difference of the compared metric: points of accuracy as a fraction, a loss as such."""
+        if self.ci_half_width is None:
+            return None
+        return self.ci_half_width if self.task_type == "causal-lm" else self.ci_half_width / 100
 
     @property
     def conversion_attention(self) -> str | None:

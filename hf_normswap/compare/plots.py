@@ -45,6 +45,7 @@ def write_plots(
     search: dict | None = None,
     update_size: dict | None = None,
     sensitivity: list[dict] | None = None,
+    precision: dict | None = None,
 ) -> list[str]:
     """Writes the PNG figures into `output`; returns their file names."""
     grouped = _by_variant(results)
@@ -55,11 +56,17 @@ def write_plots(
     figures = {
         "loss.png": _band_figure(grouped, "loss", ylabel="training loss", title="Training loss" + spread),
         "eval_metric.png": _band_figure(
-            grouped, eval_key, ylabel=f"validation {evaluated}", title=f"Validation {evaluated}" + spread, marker="o"
+            grouped,
+            eval_key,
+            ylabel=f"development {evaluated}",
+            title=f"Development {evaluated} during training" + spread,
+            marker="o",
         ),
     }
     if reference is not None and len(grouped) > 1:
         figures["paired_differences.png"] = _paired_figure(grouped, reference, metric)
+    if precision and any(f["se"] is not None for f in precision["differences"].values()):
+        figures["precision.png"] = _precision_figure(precision, reference)
     if search:
         figures["grid_search.png"] = _search_figure(search)
     figures["grad_norm_init.png"] = _gradient_figure(grouped)
@@ -134,6 +141,44 @@ def _paired_figure(grouped: dict[str, list[dict]], reference: str, metric: str):
     axis.set(
         ylabel=f"{metric} − {reference}'s (same seed)", title=f"Per-seed differences from {reference} (bar: mean)"
     )
+    return figure
+
+
+def _precision_figure(precision: dict, reference: str):
+    """Each difference's 95% interval (seeds and examples) against the width asked for, and the two parts of its
+    standard error."""
+    scale = 1.0 if precision["metric"] in ("loss", "perplexity") else 100.0
+    unit = "" if scale == 1.0 else " (points)"
+    rows = [(variant, f) for variant, f in precision["differences"].items() if f["se"] is not None]
+    figure, (intervals, parts) = plt.subplots(1, 2, figsize=(9, 1.0 + 0.6 * len(rows)), width_ratios=(3, 2))
+    for row, (variant, f) in enumerate(rows):
+        low, high = (scale * bound for bound in f["ci95"])
+        intervals.plot([low, high], [row, row], color="C0", linewidth=3, solid_capstyle="butt")
+        intervals.plot(scale * f["mean"], row, "o", color="black")
+        parts.barh(row, scale * f["seeds_part"], color="C1", label="seeds" if row == 0 else None)
+        parts.barh(
+            row,
+            scale * f["examples_part"],
+            left=scale * f["seeds_part"],
+            color="C2",
+            label="examples" if row == 0 else None,
+        )
+    if precision["half_width"]:
+        intervals.axvspan(
+            -precision["half_width"],
+            precision["half_width"],
+            color="grey",
+            alpha=0.15,
+            label=f"±{precision['half_width']:g} asked",
+        )
+    intervals.axvline(0.0, color="grey", linewidth=0.8)
+    for axis in (intervals, parts):
+        axis.set_yticks(range(len(rows)), [variant for variant, _ in rows], fontsize=8)
+        axis.invert_yaxis()
+    intervals.set(xlabel=f"difference from {reference}{unit}, 95% CI")
+    parts.set(xlabel=f"standard error's parts{unit}")
+    parts.legend(fontsize=7)
+    figure.suptitle(f"Precision of the differences from {reference}", fontsize=10)
     return figure
 
 

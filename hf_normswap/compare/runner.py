@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from transformers import (
     AutoModel,
     DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
+    EarlyStoppingCallback,
     Trainer,
     TrainingArguments,
 )
@@ -41,6 +43,17 @@ from .variants import Start, build_model, profile_admin_start
 
 
 PROBE_SIZE = 16  # validation examples the diagnostics probe holds
+CONVERGENCE_TOLERANCE = 0.01  # a run still improves while its last evaluation lowers the best development loss by more
+
+
+def converged(development_losses: list[float]) -> bool | None:
+    """Whether a run had stopped improving: its last evaluation on the development split did not lower the best
+    development loss before it by more than `CONVERGENCE_TOLERANCE` (relative); None with fewer than two
+    evaluations."""
+    if len(development_losses) < 2:
+        return None
+    *before, last = development_losses
+    return not last < min(before) * (1 - CONVERGENCE_TOLERANCE)
 
 
 @dataclasses.dataclass
@@ -52,6 +65,9 @@ class RunResult:
     point: dict  # the settings it trained at: learning_rate, warmup_ratio
     metrics: dict  # the final evaluation, without the `eval_` prefix
     failed: bool  # no better than the majority class (classification) or the unigram loss (causal LM)
+    predictions: list[int] | None  # the predicted class of each evaluation example (classification)
+    converged: bool | None  # the development loss had stopped falling (`converged`); None: no development split
+    seconds: dict  # the run's time: building the model, training (development evaluations in it), the evaluation
     log_history: list[dict]
     diagnostics: list[dict]  # per-layer gradient norms, residual RMS and collapse, at initialisation and later
     model_config: dict
@@ -92,6 +108,7 @@ class Runner:
             self.metric = load_metric(task.metric)
             self.selection_metric = "accuracy"  # what every supported task's metric reports
         self.packing = DataCollatorWithPacking(tokenizer.pad_token_id)
+        self.evaluation_labels = None if self.causal else list(self.encoded["validation"]["label"])
 
     def run(
         self,
@@ -100,13 +117,15 @@ class Runner:
         seed: int,
         point: dict,
         train: Dataset,
+        development: Dataset | None,
         evaluation: Dataset,
         run_dir: Path,
     ) -> dict:
-        """The run's result: trained now (the main process writes result.json), or read back from result.json."""
+        """The run's result: trained now (the main process writes result.json), or read back from result.json. It
+        evaluates on `development` during training (when given), and reports its figures on `evaluation`."""
         result_file = run_dir / "result.json"
         if not result_file.exists():
-            result = self._train(start, variant, seed, point, train, evaluation, run_dir)
+            result = self._train(start, variant, seed, point, train, development, evaluation, run_dir)
             if self.state.is_main_process:
                 result_file.write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
                 for checkpoint in run_dir.glob("checkpoint-*"):
@@ -139,11 +158,12 @@ class Runner:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return model, profile_admin_start(start, model, self.first_batch)
 
-    def _train(self, start, variant, seed, point, train, evaluation, run_dir: Path) -> RunResult:
+    def _train(self, start, variant, seed, point, train, development, evaluation, run_dir: Path) -> RunResult:
+        began = time.perf_counter()
         model, admin_profile = self.build(start, seed)
         scales = self._learning_rate_scales(start, model)  # before sharding: the main process holds the weights
         prepare_trained(model, self.experiment.sharding)  # sharded across the processes with `fsdp` (on CPU)
-        args = self._arguments(point, seed, run_dir, model)
+        args = self._arguments(point, seed, run_dir, model, evaluates=development is not None)
         probe = self.collator([evaluation[i] for i in range(min(PROBE_SIZE, len(evaluation)))])
         probe = {name: values.tolist() for name, values in probe.items()}
         source_collapse = self._source_collapse(start, probe)
@@ -154,17 +174,26 @@ class Runner:
             model=model,
             args=args,
             train_dataset=train,
-            eval_dataset=evaluation,
+            eval_dataset=development,
             data_collator=self._packed if self.experiment.packing and start.kind != "native" else self.collator,
             compute_metrics=None if self.causal else self._compute_metrics,
             callbacks=[
                 RecordShardedOutputs(),  # first: the diagnostics record hidden states
                 DiagnosticsCallback(probe=probe, num_layers=model.config.num_hidden_layers),
+                *(
+                    [EarlyStoppingCallback(self.experiment.early_stopping_patience)]
+                    if args.load_best_model_at_end
+                    else []
+                ),
             ],
         )
         resume = any(run_dir.glob("checkpoint-*"))
+        built = time.perf_counter()
         trainer.train(resume_from_checkpoint=True if resume else None)
-        metrics, failed = self._final_metrics(trainer.state.log_history)
+        trained = time.perf_counter()
+        final = trainer.predict(evaluation, metric_key_prefix="eval")
+        metrics, failed = self._final_metrics(final.metrics)
+        development_losses = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
         diagnostics = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DiagnosticsCallback))
         return RunResult(
             variant=variant.spec,
@@ -172,6 +201,14 @@ class Runner:
             point=point,
             metrics=metrics,
             failed=failed,
+            predictions=None if self.causal else np.argmax(final.predictions, axis=-1).tolist(),
+            converged=converged(development_losses) if development is not None else None,
+            seconds={
+                "build": built - began,
+                "train": trained - built,
+                "development": sum(e["eval_runtime"] for e in trainer.state.log_history if "eval_runtime" in e),
+                "evaluation": time.perf_counter() - trained,
+            },
             log_history=trainer.state.log_history,
             diagnostics=diagnostics.records,
             model_config=model.config.to_dict(),
@@ -197,9 +234,14 @@ class Runner:
             measured = from_main_process(measured, (len(names),), torch.float64)
         return dict(zip(names, measured.tolist()))
 
-    def _arguments(self, point: dict, seed: int, run_dir: Path, model: torch.nn.Module) -> TrainingArguments:
-        """The run's training arguments, with the experiment's sharding and mixed precision (`trainer_arguments`)."""
+    def _arguments(
+        self, point: dict, seed: int, run_dir: Path, model: torch.nn.Module, evaluates: bool
+    ) -> TrainingArguments:
+        """The run's training arguments, with the experiment's sharding and mixed precision (`trainer_arguments`):
+        evaluating on the development split every epoch when it `evaluates`, and with early stopping, ending at the
+        epoch of the best development loss."""
         experiment = self.experiment
+        early_stopping = evaluates and experiment.early_stopping_patience is not None
         arguments = dict(
             output_dir=str(run_dir),
             run_name=run_dir.name if run_dir.parent.name == "runs" else f"search-{run_dir.name}",
@@ -210,8 +252,11 @@ class Runner:
             max_steps=experiment.max_steps,
             warmup_steps=point["warmup_ratio"],
             weight_decay=experiment.weight_decay,
-            eval_strategy="epoch",
+            eval_strategy="epoch" if evaluates else "no",
             save_strategy="epoch",
+            load_best_model_at_end=early_stopping,
+            metric_for_best_model="loss" if early_stopping else None,
+            prediction_loss_only=self.causal,  # a causal LM's logits are not kept
             logging_steps=experiment.logging_steps,
             seed=seed,
             data_seed=seed,
@@ -221,12 +266,9 @@ class Runner:
         )
         return TrainingArguments(**{**arguments, **trainer_arguments(experiment.sharding, model)})
 
-    def _final_metrics(self, history: list[dict]) -> tuple[dict, bool]:
-        """The last evaluation's figures, and whether the run failed."""
-        evaluations = [entry for entry in history if "eval_loss" in entry]
-        metrics = {
-            key.removeprefix("eval_"): value for key, value in evaluations[-1].items() if key.startswith("eval_")
-        }
+    def _final_metrics(self, evaluation: dict) -> tuple[dict, bool]:
+        """The final evaluation's figures, and whether the run failed."""
+        metrics = {key.removeprefix("eval_"): value for key, value in evaluation.items() if key.startswith("eval_")}
         if self.causal:
             metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))  # nan stays nan
             return metrics, not metrics["loss"] < self.task.unigram_loss
