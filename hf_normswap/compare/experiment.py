@@ -16,19 +16,15 @@ from transformers.integrations import is_tensorboard_available, is_trackio_avail
 from ..convert.norm_mapping import NORM_MAPPINGS
 from ..convert.options import ATTENTIONS
 from ..heal import HealOptions
-from ..model.configuration_normswap import INITIALIZERS, NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
 from ..sharding import ShardingOptions, sharding_section, with_sharding_section
 from ..tasks import DATA_DIR
+from .variant import NUMBER_SETTINGS, Variant, read_number
 
 
-PLACEMENTS = (*NORM_PLACEMENTS, "mix_ln")
 EXPERIMENTS_DIR = DATA_DIR
 DEFAULT_EXPERIMENT = EXPERIMENTS_DIR / "default_experiment.yaml"
 TASK_TYPES = ("sequence-classification", "causal-lm")
 TRACKERS = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "trackio": is_trackio_available}
-NUMBER_SETTINGS = ("learning_rate", "warmup_ratio")  # the numbers a variant may pin
-VARIANT_SETTINGS = (*NUMBER_SETTINGS, "initializer")  # what `VARIANT@field=value` may pin
-HEAL_SUFFIX = "+heal"  # `pre+heal`: the converted variant is healed before fine-tuning
 HEAL_SETTINGS = tuple(  # the comparison names the teacher (its model), the checkpoint folder and the sharding itself
     field.name
     for field in dataclasses.fields(HealOptions)
@@ -197,7 +193,7 @@ class Experiment:
                 fields[name] = str(path.parent / value)
         return cls(**with_sharding_section({**fields, **{k: v for k, v in overrides.items() if v is not None}}))
 
-    def validate(self) -> list["Variant"]:
+    def validate(self) -> list[Variant]:
         """Checks every field, so that a bad value stops the comparison before any work, with a one-line error;
         returns the variants, parsed. Numbers given as text (`1e-5` in YAML, grid values on the command line) are
         read as numbers."""
@@ -231,7 +227,7 @@ class Experiment:
             if len(set(values)) < len(values):
                 raise ValueError(f"{field.name}={values!r} is invalid: a value is repeated")
 
-    def _check_variants(self, variants: list["Variant"]) -> None:
+    def _check_variants(self, variants: list[Variant]) -> None:
         """What the variants need: a pretrained checkpoint to heal or to be native, a configuration to pin an
         initializer or measure update sizes, known healing settings, and the reference among them."""
         from_config = (self.model or "").endswith(".json")
@@ -308,86 +304,6 @@ class Experiment:
         ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One variant of a comparison, parsed once from its name as written (`pre:rope+heal@learning_rate=1e-4`)."""
-
-    spec: str  # as written: how results and the report name it
-    name: str  # without the pinned settings (`pre:rope+heal`)
-    placement: str | None  # None: the source's own (native, or a position-only variant)
-    position: str | None  # None: the source's own
-    heal: bool  # healed before fine-tuning
-    learning_rate: float | None = None  # pinned by `@learning_rate=`; None: the experiment's
-    warmup_ratio: float | None = None  # pinned by `@warmup_ratio=`; None: the experiment's
-    initializer: str | None = None  # pinned by `@initializer=` (one of INITIALIZERS); None: the configuration's
-
-    @classmethod
-    def parse(cls, spec: str) -> "Variant":
-        """`NAME` or `NAME@field=value@...`, NAME being `native`, `PLACEMENT`, `PLACEMENT:POSITION` or `:POSITION`,
-        possibly followed by `+heal`; a field is one of `VARIANT_SETTINGS`."""
-        if not isinstance(spec, str):
-            raise ValueError(f"variants: {spec!r} is not a variant name")
-        name, *settings = spec.split("@")
-        placement, position = _placement_and_position(name.removesuffix(HEAL_SUFFIX))
-        pinned = {}
-        for setting in settings:
-            field, _, value = setting.partition("=")
-            if field not in VARIANT_SETTINGS or not value:
-                raise ValueError(
-                    f"variant {spec!r}: after '@' comes field=value, with field one of {', '.join(VARIANT_SETTINGS)}"
-                )
-            if field == "initializer" and value not in INITIALIZERS:
-                raise ValueError(
-                    f"variant {spec!r}: initializer={value!r} is invalid: allowed are {', '.join(INITIALIZERS)}"
-                )
-            pinned[field] = value if field == "initializer" else _number(f"variant {spec!r}: {field}", value)
-        return cls(spec, name, placement, position, name.endswith(HEAL_SUFFIX), **pinned)
-
-    @property
-    def native(self) -> bool:
-        """The source itself, as its own class."""
-        return self.placement is None and self.position is None
-
-    @property
-    def converted(self) -> "Variant":
-        """What a healed variant is healed from: the same conversion, without healing or pinned settings."""
-        name = self.name.removesuffix(HEAL_SUFFIX)
-        return Variant(spec=name, name=name, placement=self.placement, position=self.position, heal=False)
-
-    @property
-    def folder(self) -> str:
-        """The variant in the names of its runs' folders (`:` is not portable)."""
-        return self.spec.replace(":", "-")
-
-    @property
-    def start_name(self) -> str:
-        """What it starts from: its name and the initializer it pins, shared by the variants that differ only in
-        learning rate or warm-up."""
-        return self.name + (f"@initializer={self.initializer}" if self.initializer else "")
-
-    @property
-    def start_folder(self) -> str:
-        """The folder name of what it starts from."""
-        return self.start_name.replace(":", "-")
-
-
-def _placement_and_position(name: str) -> tuple[str | None, str | None]:
-    """`native`, `PLACEMENT`, `PLACEMENT:POSITION` or `:POSITION` -> (placement, position); native is (None, None)."""
-    if name == "native":
-        return None, None
-    placement, _, position = name.partition(":")
-    if (
-        (placement and placement not in PLACEMENTS)
-        or (position and position not in POSITION_EMBEDDING_TYPES)
-        or not (placement or position)
-    ):
-        raise ValueError(
-            f"unknown variant {name!r}: use native, a placement ({' '.join(PLACEMENTS)}) and/or "
-            f":POSITION ({' '.join(POSITION_EMBEDDING_TYPES)})"
-        )
-    return placement or None, position or None
-
-
 def _unknown(kind: str, names: list, allowed) -> str:
     """`unknown key 'variantz' (did you mean 'variants'?)`: the first few names, with the nearest allowed one each has;
     the full list of allowed names is `hf-normswap compare --help`'s."""
@@ -438,12 +354,12 @@ def _read(name: str, value, annotation):
     """`value` checked against the field's annotation, with text read as a number for a float or a list of them."""
     kinds = _kinds(annotation)
     if kinds == (int, float):
-        value = _number(name, value)
+        value = read_number(name, value)
     elif typing.get_args(_unwrap(annotation)) in ((float,), (int,)) and isinstance(value, list):
         (kind,) = typing.get_args(_unwrap(annotation))
-        value = [_number(name, item, kind) for item in value]
+        value = [read_number(name, item, kind) for item in value]
         for item in value:
-            if not _is_number(item) or (kind is int and not isinstance(item, int)):
+            if not _isread_number(item) or (kind is int and not isinstance(item, int)):
                 raise ValueError(f"{name}: {item!r} is not {'a number' if kind is float else 'an integer'}")
     if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
         raise ValueError(f"{name}={value!r} is invalid: expected {' or '.join(k.__name__ for k in kinds)}")
@@ -462,17 +378,7 @@ def _check(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} is invalid: {rule.allowed}")
 
 
-def _number(name: str, value, kind: type = float):
-    """`value`, read as a `kind` (float or int) when it is text."""
-    if isinstance(value, str):
-        try:
-            return kind(value)
-        except ValueError:
-            raise ValueError(f"{name}: {value!r} is not {'a number' if kind is float else 'an integer'}") from None
-    return value
-
-
-def _is_number(value) -> bool:
+def _isread_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

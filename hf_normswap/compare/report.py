@@ -8,21 +8,12 @@ from ..convert.stream_mix import largest_layers
 from ..probes.collapse import COLLAPSE_MARGIN, POOLINGS
 from ..sharding import flat_settings
 from ..tasks import Task
+from .convergence import convergence_sentence, time_sentence
 from .experiment import Experiment
 from .plots import write_plots
-from .precision import (
-    BOOTSTRAP_SAMPLES,
-    at_width,
-    equivalence,
-    examples_needed,
-    failure_rate,
-    first_stage_seeds,
-    holm,
-    paired_precision,
-    stage_one,
-)
+from .precision import failure_rate
+from .precision_report import failures_cell, precision_figures, precision_lines
 from .statistics import (
-    LOWER_IS_BETTER,
     describe,
     learning_rate_sensitivity,
     paired_difference,
@@ -80,7 +71,7 @@ def write_report(
             for variant in variants
         },
         "paired": {"reference": reference, "variants": _paired(results, reference, metric_names)},
-        "precision": _precision(results, experiment, labels, selection_metric),
+        "precision": precision_figures(results, experiment, labels, selection_metric),
         "runs": results,
     }
     if update_size:
@@ -142,33 +133,11 @@ def _paired(results: list[dict], reference: str, metric_names: list[str]) -> dic
     return paired
 
 
-def _precision(results: list[dict], experiment: Experiment, labels: list[int] | None, metric: str) -> dict:
-    """Each paired difference's interval over seeds and examples, its parts, the difference it would detect, its
-    equivalence test and Holm's family-wise p-value; run to `ci_half_width`, its two stages (`at_width`)."""
-    reference, width = experiment.reference_variant, experiment.width_in_metric_units
-    figures = paired_precision(results, reference, labels, metric)
-    measured = {variant: f["p_value"] for variant, f in figures.items() if f["p_value"] is not None}
-    for variant, adjusted in holm(measured).items():
-        figures[variant]["holm_p"] = adjusted
-    precision = {"metric": metric, "half_width": experiment.ci_half_width, "differences": figures, "stages": None}
-    if width is None:
-        return precision
-    stage, seeds, stopped = stage_one(
-        results, reference, labels, metric, experiment.seeds, width, experiment.max_seeds
-    )
-    for variant, figure in figures.items():
-        figure["equivalence"] = equivalence(figure, width)
-        figure["at_width"] = at_width(stage[variant], figure, width, experiment.max_seeds)
-        figure["examples_needed"] = examples_needed(stage[variant], width)
-    precision["stages"] = {"first": first_stage_seeds(experiment.seeds), "seeds": seeds, "stopped": stopped}
-    return precision
-
-
 def _markdown(document: dict, metric_names: list[str], plots: list[str]) -> str:
     lines = _introduction(document)
     lines += _summary_table(document["summary"], metric_names)
     lines += _paired_markdown(document["paired"], metric_names)
-    lines += _precision_markdown(document["precision"], document["paired"]["reference"])
+    lines += precision_lines(document["precision"], document["paired"]["reference"])
     if document["search"]:
         lines += _search_markdown(document["search"])
     lines += [""]
@@ -205,27 +174,7 @@ def _introduction(document: dict) -> list[str]:
     runs = document["runs"]
     counts = sorted({sum(run["variant"] == v for run in runs) for v in document["summary"]})
     seeds = f"{counts[0]} to {counts[-1]}" if len(counts) > 1 else str(counts[0])
-    still = [run for run in runs if run.get("converged") is False]
-    if any(run.get("converged") is None for run in runs):
-        convergence = "Runs without a development split are not judged for convergence."
-    elif still:
-        convergence = (
-            f"**{len(still)} of {len(runs)} runs were still improving** at their last evaluation (their development "
-            "loss fell by more than 1% there): this compared a budget of training, not converged runs."
-        )
-    else:
-        convergence = (
-            "Every run had converged: its last evaluation on the development split lowered the best development loss "
-            "by 1% or less."
-        )
-    timed = [run["seconds"] for run in runs if run.get("seconds")]
-    if timed:
-        mean = {part: sum(t[part] for t in timed) / len(timed) for part in timed[0]}
-        convergence += (
-            f" A run took {sum(mean.values()) - mean['development']:.1f} s on average: building the model "
-            f"{mean['build']:.1f} s, training {mean['train']:.1f} s (development evaluations "
-            f"{mean['development']:.1f} s of it), the final evaluation {mean['evaluation']:.1f} s."
-        )
+    convergence = f"{convergence_sentence(runs)} {time_sentence(runs)}".strip()
     return [
         "# NormSwap comparison",
         "",
@@ -253,16 +202,9 @@ def _summary_table(summary: dict, metric_names: list[str]) -> list[str]:
     for variant, figures in summary.items():
         cells = [_cell(figures["metrics"][name]) for name in ["loss", *metric_names]]
         lines.append(
-            f"| {variant} | {_settings(figures['settings'])} | " + " | ".join(cells) + f" | {_failures(figures)} |"
+            f"| {variant} | {_settings(figures['settings'])} | " + " | ".join(cells) + f" | {failures_cell(figures)} |"
         )
     return lines
-
-
-def _failures(figures: dict) -> str:
-    """`0 / 5 (0-43%)`: failed runs, and the 95% Wilson interval of the failure rate."""
-    rate = figures.get("failure_rate")
-    interval = f" ({rate['ci95'][0]:.0%}-{rate['ci95'][1]:.0%})" if rate and rate["ci95"] else ""
-    return f"{figures['failed_runs']} / {figures['runs']}{interval}"
 
 
 def _cell(summary: dict) -> str:
@@ -298,103 +240,6 @@ def _paired_markdown(paired: dict, metric_names: list[str]) -> list[str]:
             mean = f"{difference['mean']:+.4f}{interval}" if difference["n"] else "-"
             lines.append(f"| {variant} | {name} | {values} | {mean} | {difference['sign_test_p']:.3g} |")
     return lines
-
-
-def _precision_markdown(precision: dict, reference: str) -> list[str]:
-    """The precision of each difference: its interval over seeds and examples, the parts, what it would detect, and
-    run to a width, Stein's interval at it, what it needs, and equivalence."""
-    differences, stages = precision["differences"], precision["stages"]
-    if not differences:
-        return []
-    metric, width = precision["metric"], precision["half_width"]
-    scale = 1.0 if metric in LOWER_IS_BETTER else 100.0
-    lines = [
-        "",
-        f"## Precision of the differences from {reference}",
-        "",
-        f"{metric.capitalize()}{'' if scale == 1 else ' in points'}: the 95% interval of each mean difference over "
-        "the seeds and the evaluation examples together (a two-way random-effects analysis of variance: seeds and "
-        "examples crossed, Student t with Satterthwaite's degrees of freedom), and its two parts as standard errors. "
-        "Seeds where either run failed are left out. Detectable: the difference these seeds would find with 80% "
-        "power. Holm p: the family-wise p-value over the differences.",
-        "",
-        "| variant | difference [95% CI] | half-width | seeds part | examples part | detectable | seeds | Holm p |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for variant, f in differences.items():
-        if f["se"] is None:
-            said = "no seed where neither run failed" if f["mean"] is None else f"{scale * f['mean']:+.2f} (one seed)"
-            lines.append(f"| {variant} | {said} | | | | | {f['n']} | |")
-            continue
-        examples = f"{scale * f['examples_part']:.2f}" if f["examples"] else "not measured"
-        cells = [
-            _interval(f["mean"], f["ci95"], scale),
-            f"{scale * f['half_width']:.2f}",
-            f"{scale * f['seeds_part']:.2f}",
-            examples,
-            f"{scale * f['detectable']:.2f}",
-            str(f["n"]) + (f" × {f['examples']} examples" if f["examples"] else ""),
-            f"{f['holm_p']:.3g}",
-        ]
-        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    if stages:
-        said = {
-            "reached": f"every difference within ±{width:g}",
-            "max_seeds": "max_seeds, before every difference was within the width",
-            "examples": "a difference whose evaluation examples alone are too few for the width",
-            "unmeasured": "a difference without two first-stage seeds where neither run failed",
-        }[stages["stopped"]]
-        lines += [
-            "",
-            f"Run to ±{width:g}{'' if scale == 1 else ' points'} by Stein's two-stage rule: {stages['first']} seeds "
-            f"first, then the seeds each difference's spread asks for ({_counts(stages['seeds'])}); stopped at "
-            f"{said}. Stein's "
-            "interval is the final mean's at the first stage's spread (exact coverage); equivalence: two one-sided "
-            f"tests at ±{width:g}.",
-            "",
-            f"| variant | Stein's 95% CI | within ±{width:g} | seeds asked for | equivalent at ±{width:g} |",
-            "|---|---|---|---|---|",
-        ]
-        for variant, f in differences.items():
-            stein = f["at_width"]
-            interval = _interval(f["mean"], stein["ci95"], scale) if stein["ci95"] else "-"
-            lines.append(
-                f"| {variant} | {interval} | {_reach(stein, f)} | {stein['seeds_needed'] or '-'} "
-                f"| {'yes' if f['equivalence']['equivalent'] else 'no'} |"
-            )
-    tested = {variant: f["per_seed"] for variant, f in differences.items() if f.get("per_seed")}
-    if tested:
-        lines += [
-            "",
-            "Each seed alone: McNemar's exact p-value, and the standard error of its difference from a paired "
-            f"bootstrap over the evaluation examples ({BOOTSTRAP_SAMPLES} resamples).",
-            "",
-            "| variant | McNemar p by seed | bootstrap standard error by seed |",
-            "|---|---|---|",
-        ]
-        for variant, tests in tested.items():
-            p_values = ", ".join(f"{p:.2g}" for p in tests["mcnemar_p"])
-            errors = ", ".join(f"{scale * e:.2f}" for e in tests["bootstrap_se"])
-            lines.append(f"| {variant} | {p_values} | {errors} |")
-    return lines
-
-
-def _counts(seeds: dict[str, int]) -> str:
-    """`post 12, pre 12, pre+heal 5`: the seeds each variant ran."""
-    return ", ".join(f"{variant} {count}" for variant, count in seeds.items())
-
-
-def _interval(mean: float, interval: list[float], scale: float) -> str:
-    return f"{scale * mean:+.2f} [{scale * interval[0]:+.2f}, {scale * interval[1]:+.2f}]"
-
-
-def _reach(stein: dict, figures: dict) -> str:
-    """Whether a difference holds the width, or the seeds (or evaluation examples) its first stage implies."""
-    if stein["within"]:
-        return "yes"
-    if stein["seeds_needed"] is None:
-        return f"no: needs about {figures['examples_needed']} evaluation examples"
-    return f"no: needs {stein['seeds_needed']} seeds"
 
 
 def _search_markdown(search: dict) -> list[str]:

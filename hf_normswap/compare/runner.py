@@ -35,6 +35,7 @@ from ..sharding.fsdp import (
 )
 from ..sharding.processes import from_main_process, is_main_process, world_size
 from ..tasks import Task, unigram_loss
+from .convergence import converged
 from .experiment import Experiment, Variant
 from .learning_rates import RelativeLearningRateTrainer, learning_rate_scales, weight_sizes
 from .metrics import load_metric
@@ -43,17 +44,6 @@ from .variants import Start, build_model, profile_admin_start
 
 
 PROBE_SIZE = 16  # validation examples the diagnostics probe holds
-CONVERGENCE_TOLERANCE = 0.01  # a run still improves while its last evaluation lowers the best development loss by more
-
-
-def converged(development_losses: list[float]) -> bool | None:
-    """Whether a run had stopped improving: its last evaluation on the development split did not lower the best
-    development loss before it by more than `CONVERGENCE_TOLERANCE` (relative); None with fewer than two
-    evaluations."""
-    if len(development_losses) < 2:
-        return None
-    *before, last = development_losses
-    return not last < min(before) * (1 - CONVERGENCE_TOLERANCE)
 
 
 @dataclasses.dataclass
@@ -177,15 +167,9 @@ class Runner:
             eval_dataset=development,
             data_collator=self._packed if self.experiment.packing and start.kind != "native" else self.collator,
             compute_metrics=None if self.causal else self._compute_metrics,
-            callbacks=[
-                RecordShardedOutputs(),  # first: the diagnostics record hidden states
-                DiagnosticsCallback(probe=probe, num_layers=model.config.num_hidden_layers),
-                *(
-                    [EarlyStoppingCallback(self.experiment.early_stopping_patience)]
-                    if args.load_best_model_at_end
-                    else []
-                ),
-            ],
+            callbacks=self._callbacks(
+                probe, model.config.num_hidden_layers, early_stopping=args.load_best_model_at_end
+            ),
         )
         resume = any(run_dir.glob("checkpoint-*"))
         built = time.perf_counter()
@@ -219,6 +203,14 @@ class Runner:
             admin_profile=admin_profile,
             learning_rate_scales=scales,
         )
+
+    def _callbacks(self, probe: dict, num_layers: int, early_stopping: bool) -> list:
+        """The run's callbacks: sharded outputs recorded first (the diagnostics read hidden states), the diagnostics,
+        and early stopping on the development loss when asked for."""
+        callbacks = [RecordShardedOutputs(), DiagnosticsCallback(probe=probe, num_layers=num_layers)]
+        if early_stopping:
+            callbacks.append(EarlyStoppingCallback(self.experiment.early_stopping_patience))
+        return callbacks
 
     def _learning_rate_scales(self, start: Start, model: torch.nn.Module) -> dict[str, float] | None:
         """With `relative_learning_rates`, a converted variant's `learning_rate_scales` against the source, measured by
