@@ -1,17 +1,19 @@
 """Heals the tiny variants named on the command line, under `torchrun` on CPU with any number of processes, with
-`fsdp`; rank 0 writes, per healing, what the teacher was at every step (training mode, gradients, optimizer
-membership, its embeddings gathered whole) to the JSON file named on the command line.
+`fsdp`; rank 0 writes, per healing, what the teacher was at every step (training mode, gradients, optimizer membership,
+its embeddings gathered whole) to the JSON file named on the command line.
 
-Run by `tests/test_sharding.py`: 2 sharded processes with PER_DEVICE texts each must heal as 1 process with
-2 * PER_DEVICE does (no dropout, the same texts making up every step); the tied variant heals twice, with the KL's
-logits from the heads a chunk at a time (recomputed in the backward pass) and the teacher's from its forward
-(`-forward`, the student's kept for the backward pass); with
---activation-checkpointing, the tied variant heals (its head a chunk at a time) with its layers recomputed in the
-backward pass. `tests/test_sharding_gpu.py` runs it under `accelerate launch` on a GPU, also with --bf16 (bfloat16
-mixed precision; the outputs' suffix `-bf16`)."""
+Run by `tests/test_sharding.py`: 2 sharded processes with PER_DEVICE texts each must heal as 1 process with 2 *
+PER_DEVICE does (no dropout, the same texts making up every step); the tied variant heals twice, with the KL's logits
+from the heads a chunk at a time (recomputed in the backward pass) and the teacher's from its forward (`-forward`,
+the student's kept for the backward pass); with --activation-checkpointing, the tied variant heals (its head a chunk
+at a time) with its layers recomputed in the backward pass. The calibrated variant (`fitted`) heals with every
+default (its layers fitted first), with --fsdp where more than one process runs, in the plain runs alone (no option,
+no tag). `tests/test_sharding_gpu.py` runs it under `accelerate launch` on a GPU, also with --bf16 (bfloat16 mixed
+precision; the outputs' suffix `-bf16`)."""
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -84,6 +86,20 @@ if __name__ == "__main__":
     if not checkpointing:
         healings += [("tied", "kl", True), ("untied", "kl", False), ("bert", "hidden", False)]
     results = {}
+    if not (checkpointing or arguments.bf16 or arguments.tag):  # a fitted healing's defaults; --fsdp where it shards
+        teacher_record.clear()
+        heal_checkpoint(
+            str(folder / "fitted" / "variant"),
+            str(healed_folder(folder, "fitted", per_device, suffix)),
+            data=str(folder / "text.txt"),
+            max_steps=STEPS,
+            batch_size=per_device,
+            reconstruct_sequences=16,
+            eval_size=8,
+            fsdp=int(os.environ.get("WORLD_SIZE", "1")) > 1,
+            log=None,
+        )
+        results["fitted"] = list(teacher_record)
     for name, objective, forward in healings:
         healing = name + ("-forward" if forward else "")
         teacher_record.clear()

@@ -256,11 +256,12 @@ ZERO_GRADIENT = "k_proj.bias"
 
 
 def sharding_variants(folder: Path) -> Path:
-    """Tiny LLaMAs with a tied and an untied head converted to post-LN (causal), a BERT converted to pre-LN, and a
-    text file to heal them on."""
+    """Tiny LLaMAs with a tied and an untied head converted to post-LN (causal), the tied one calibrated too
+    (`fitted`: its healing fits the layers first), a BERT converted to pre-LN, and a text file to heal them on."""
     sources = {
         "tied": ("llama", "ForCausalLM", {"tie_word_embeddings": True}),
         "untied": ("llama", "ForCausalLM", {"tie_word_embeddings": False}),
+        "fitted": ("llama", "ForCausalLM", {"tie_word_embeddings": True}),
         "bert": ("bert", "Model", {}),
     }
     for name, (family, head, fields) in sources.items():
@@ -270,7 +271,7 @@ def sharding_variants(folder: Path) -> Path:
             str(folder / name / "source"),
             str(folder / name / "variant"),
             norm_placement="post" if family == "llama" else "pre",
-            calibrate=False,
+            calibrate=name == "fitted",
             log=lambda line: None,
             **causal,
         )

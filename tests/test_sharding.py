@@ -86,6 +86,19 @@ def test_sharded_healing_equals_one_process_step_by_step(healed, name, suffix):
         assert abs(boundary["token_cosine"] - expected_boundary["token_cosine"]) <= TOLERANCE
 
 
+def test_a_sharded_healing_fits_and_heals_as_one_process_with_every_default(healed):
+    """A calibrated conversion out of pre-LN healed with every default: 2 processes with --fsdp fit the layers first
+    and heal at the fitted learning rate as 1 process without it does (the main process fits, before sharding)."""
+    two, one = healed / "fitted" / "healed-4", healed / "fitted" / "healed-8"
+    assert_same_healing(two, one)
+    reports = [json.loads((folder / "heal.json").read_text()) for folder in (two, one)]
+    assert [report["learning_rate"] for report in reports] == [1e-5, 1e-5]
+    assert [report["reconstruction"]["steps"] for report in reports] == [60, 60]
+    errors = [sum(report["reconstruction"]["layer_errors"], []) for report in reports]  # before, after: by layer
+    assert errors[0] == pytest.approx(errors[1], abs=TOLERANCE)
+    assert errors[0][1] < errors[0][0] and errors[0][3] < errors[0][2]  # each layer fitted
+
+
 def test_the_teachers_logits_from_its_forward_change_nothing(healed):
     """The KL with the teacher's logits from its forward (the student's kept for the backward pass), and from its
     head a chunk at a time (both recomputed in the backward pass), heals alike."""

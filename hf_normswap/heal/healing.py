@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sized
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from ..probes.next_token import (
     next_token_log_probs,
 )
 from ..sharding import with_sharding_section
-from ..sharding.fsdp import gathered, prepare_frozen, prepare_trained, resumable, unsharded
+from ..sharding.fsdp import gathered, prepare_frozen, prepare_trained, resumable, sharded, unsharded
 from ..sharding.processes import is_main_process, processes
 from .data import HealTexts, heal_texts
 from .gradual_swap import GradualSwap, conversion_stream_rms, missing_stream, recorded_stream_rms
@@ -80,15 +80,17 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         )
     tokenizer = AutoTokenizer.from_pretrained(variant)
     texts = heal_texts(options=options, tokenizer=tokenizer, teacher=models.teacher)
+    main = is_main_process()
+    fit = None
+    if options.reconstruct_steps:  # the fit's texts checked by every process; the main one fits, before sharding
+        batches = reconstruction_batches(texts.train, tokenizer, options)
+        fit = _fit_layers(models, texts, tokenizer, batches, options, stream_rms) if main else None
     prepare_trained(models.student, options.sharding)
     prepare_frozen(models.teacher, options.sharding)
-    main = is_main_process()
     log = log if main else None
     with output_folder(output, overwrite) if main else _scratch_folder() as staging:
         work = Path(options.checkpoint_dir) if options.checkpoint_dir else staging / "trainer"
-        report = _heal(
-            models, texts, tokenizer=tokenizer, options=options, work=work, quiet=log is None, stream_rms=stream_rms
-        )
+        report = _heal(models, texts, tokenizer, options, work=work, quiet=log is None, stream_rms=stream_rms, fit=fit)
         _save(models, source=Path(variant), staging=staging, report=report, main=main)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
     if options.checkpoint_dir and main:
@@ -100,6 +102,16 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     return asdict(report)
 
 
+@dataclass
+class _FittedLayers:
+    """The block-wise fit before sharding, on the main process: its record, and the held-out teacher states and head
+    probe it measured the conversion with (`_held_out_probe`)."""
+
+    reconstruction: Reconstruction
+    teacher: list[tuple]
+    head_figures: Callable[..., dict]
+
+
 def _heal(
     models: HealModels,
     texts: HealTexts,
@@ -108,14 +120,19 @@ def _heal(
     work: Path,
     quiet: bool,
     stream_rms: list[float] | None,
+    fit: _FittedLayers | None,
 ) -> HealReport:
     """Trains the student, measured on the held-out batches as training begins, every fifth of the way and after (by
-    every process, when sharded)."""
-    with gathered(models.teacher):
-        teacher = teacher_states(models.teacher, texts.held_out)
-    separable = stream_rms is not None and models.teacher_is_source  # each layer alone: the rest compute the teacher
-    head_figures = _head_probe(models, texts, tokenizer, teacher, stream_rms=stream_rms if separable else None)
-    reconstruction, head_figures = _reconstruct(models, texts, tokenizer, options, head_figures)
+    every process, when sharded). The layers were fitted before (`fit`, on the main process) with
+    `reconstruct_steps`: the probe then measures the fitted student whole (each layer alone swapped: of the
+    conversion only)."""
+    if fit is not None and not sharded(options.sharding):  # measured in this process before the fit: kept
+        teacher, head_figures = fit.teacher, fit.head_figures
+    else:
+        teacher, head_figures = _held_out_probe(models, texts, tokenizer, stream_rms)
+    if options.reconstruct_steps:
+        head_figures = functools.partial(head_figures, stream_rms=None)
+    reconstruction = fit.reconstruction if fit else None
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
     callbacks = [probe]
@@ -176,17 +193,20 @@ def _heal_data(texts: HealTexts, options: HealOptions) -> HealData:
     )
 
 
-def _reconstruct(
-    models: HealModels, texts: HealTexts, tokenizer, options: HealOptions, head_figures: Callable[..., dict]
-) -> tuple[Reconstruction | None, Callable[..., dict]]:
-    """With `reconstruct_steps`, the student's layers fitted one after another (`reconstruction`), its figures through
-    its head measured before; and `head_figures` as the healing measures it then (each layer alone swapped: of the
-    conversion only)."""
-    if not options.reconstruct_steps:
-        return None, head_figures
+def _fit_layers(
+    models: HealModels,
+    texts: HealTexts,
+    tokenizer,
+    batches: list[dict],
+    options: HealOptions,
+    stream_rms: list[float] | None,
+) -> _FittedLayers:
+    """The student's layers fitted one after another on `batches` (`reconstruct_layers`), before sharding (the main
+    process holds both models whole), so that one process and a sharded launch fit alike; its figures through its
+    head measured before."""
+    teacher, head_figures = _held_out_probe(models, texts, tokenizer, stream_rms)
     conversion = head_figures(models.student, before=True)["next_token"]
     started = time.perf_counter()
-    batches = reconstruction_batches(texts.train, tokenizer, options)
     errors = reconstruct_layers(models.student, models.teacher, batches, options.reconstruct_steps)
     reconstruction = Reconstruction(
         sequences=options.reconstruct_sequences,
@@ -196,7 +216,18 @@ def _reconstruct(
         layer_errors=errors,
         conversion=conversion,
     )
-    return reconstruction, functools.partial(head_figures, stream_rms=None)
+    return _FittedLayers(reconstruction, teacher, head_figures)
+
+
+def _held_out_probe(
+    models: HealModels, texts: HealTexts, tokenizer, stream_rms: list[float] | None
+) -> tuple[list[tuple], Callable[..., dict]]:
+    """The teacher's states on the held-out batches (every process joining, when sharded) and `_head_probe` on them,
+    each layer alone swapped with `stream_rms` where the teacher is the source."""
+    with gathered(models.teacher):
+        teacher = teacher_states(models.teacher, texts.held_out)
+    separable = stream_rms is not None and models.teacher_is_source  # each layer alone: the rest compute the teacher
+    return teacher, _head_probe(models, texts, tokenizer, teacher, stream_rms=stream_rms if separable else None)
 
 
 def _head_results(

@@ -109,7 +109,7 @@ class HealOptions:
             "help": "out of pre-LN, before healing: fit each layer in turn to the teacher's stream after it, on the "
             "layer's own inputs, this many Adam steps a layer (0: no fit); default: "
             f"{FITTED_DEFAULTS['reconstruct_steps']} for a causal-LM student of a calibrated conversion out of pre-LN "
-            "with the direct swap, without lora or fsdp, else 0"
+            "with the direct swap, without lora, else 0"
         },
     )
     reconstruct_sequences: int = field(
@@ -206,7 +206,6 @@ class HealOptions:
             )
         refused = {
             "lora": (self.lora, "it fits the layers' own weights"),
-            "fsdp": (self.sharding.fsdp, "it fits one layer at a time in one process"),
             "swap_schedule": (
                 self.swap_schedule,
                 "a gradual swap starts from the source's function, which the fitted layers no longer compute; use "
@@ -224,7 +223,7 @@ class HealOptions:
         defaults = dict(HEAD_DEFAULTS["causal-lm" if head == "causal-lm" else "other"])
         if self.reconstruct_steps is None:
             fits = head == "causal-lm" and stream_recorded and self.swap_schedule == "direct"
-            fits = fits and not (self.lora or self.sharding.fsdp)
+            fits = fits and not self.lora
             defaults["reconstruct_steps"] = FITTED_DEFAULTS["reconstruct_steps"] if fits else 0
         if (self.reconstruct_steps or defaults.get("reconstruct_steps")) and head == "causal-lm":
             defaults["learning_rate"] = FITTED_DEFAULTS["learning_rate"]
