@@ -253,6 +253,8 @@ def test_llama_reverse_export_needs_causal_attention(tmp_path, capsys):
     assert "is_causal=False (needs True)" in capsys.readouterr().err
     no_leftovers(tmp_path, tmp_path / "back")
     convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "causal"), attention="causal", log=lambda _: None)
+    config = json.loads((tmp_path / "causal" / "config.json").read_text())
+    (tmp_path / "causal" / "config.json").write_text(json.dumps({**config, "use_cache": False}))  # as healed
     assert cli(["export-native", str(tmp_path / "causal"), str(tmp_path / "back")]) == 0
     original, back = tensors(tmp_path / "source"), tensors(tmp_path / "back")
     assert set(original) == set(back) and all(torch.equal(t, back[n]) for n, t in original.items())

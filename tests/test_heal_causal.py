@@ -41,7 +41,7 @@ from helpers import save_source
 
 
 QUIET = dict(log=lambda line: None)
-HEAL = dict(max_steps=16, learning_rate=1e-3, batch_size=8, eval_size=16, log=None)
+HEAL = dict(max_steps=16, learning_rate=1e-3, batch_size=8, eval_size=16, stop_patience=0, log=None)
 PLACEMENTS = ("post", "pre_post", "deepnorm", "admin")
 
 
@@ -234,19 +234,39 @@ def test_the_fit_shows_the_layers_the_first_position_in_texts_of_one_token(llama
     assert first_position["with one-token texts"] < 0.5 * first_position["conversion"]
 
 
+SMOLLM2 = dict(width=576, parameters=106_203_456, tokens_per_text=64)  # its layers' parameters
+
+
 def test_the_layers_are_fitted_by_default_out_of_pre_ln_with_the_direct_swap():
-    fitted = HealOptions().for_head("causal-lm", stream_recorded=True)
-    assert fitted.reconstruct_steps == 60 and fitted.learning_rate == 1e-5 and fitted.max_steps == 100
+    fitted = HealOptions().for_head("causal-lm", stream_recorded=True).scaled(**SMOLLM2)
+    assert fitted.reconstruct_steps == 60 and fitted.learning_rate == pytest.approx(1e-5) and fitted.max_steps == 100
     for options, recorded in (
         (HealOptions(), False),  # no calibrated conversion out of pre-LN
         (HealOptions(swap_schedule="taper"), True),
         (HealOptions(lora=True), True),
         (HealOptions(reconstruct_steps=0), True),
     ):
-        unfitted = options.for_head("causal-lm", stream_recorded=recorded)
-        assert unfitted.reconstruct_steps == 0 and unfitted.learning_rate == 1e-4
+        unfitted = options.for_head("causal-lm", stream_recorded=recorded).scaled(**SMOLLM2)
+        assert unfitted.reconstruct_steps == 0 and unfitted.learning_rate == pytest.approx(1e-4)
     assert HealOptions().for_head("other", stream_recorded=True).reconstruct_steps == 0
-    assert HealOptions(reconstruct_steps=5, learning_rate=3e-4).for_head("causal-lm", True).learning_rate == 3e-4
+    given = HealOptions(reconstruct_steps=5, learning_rate=3e-4).for_head("causal-lm", True).scaled(**SMOLLM2)
+    assert given.learning_rate == 3e-4
+
+
+def test_a_causal_lm_s_learning_rate_and_tokens_scale_with_it():
+    """The learning rate goes as 1 / width, the tokens as 1 / the layers' parameters (at most 2**21), the steps those
+    tokens take; --max-tokens and --max-steps replace the budget."""
+    small = HealOptions().for_head("causal-lm", stream_recorded=True).scaled(64, 250_000, 64)
+    assert small.learning_rate == pytest.approx(9e-5) and small.max_steps == 2**21 // (8 * 64)
+    assert HealOptions(batch_size=32).for_head("causal-lm").scaled(64, 250_000, 64).learning_rate == pytest.approx(
+        9e-4
+    )
+    assert HealOptions(batch_size=32).for_head("causal-lm").scaled(64, 250_000, 64).max_steps == 2**21 // (32 * 64)
+    assert HealOptions(max_tokens=5120).for_head("causal-lm").scaled(**SMOLLM2).max_steps == 10
+    assert HealOptions(max_tokens=5120).for_head("causal-lm").scaled(576, 10**8, 11.0).max_steps == 58
+    assert HealOptions(max_steps=7).for_head("causal-lm").scaled(**SMOLLM2).max_steps == 7
+    other = HealOptions().for_head("other")
+    assert other.max_steps == 700 and other.learning_rate == 5e-4
 
 
 @pytest.mark.parametrize("data", ["teacher", "sst2-sample"])  # the default, and the task's text as --config llama
@@ -593,6 +613,14 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
             [str(llama / "post"), "--reconstruct-steps", "5", "--data", str(tmp_path / "few.txt")],
             "reconstruct_sequences=128 is invalid: the training text holds",
         ),
+        ([str(llama / "post"), "--max-tokens", "0"], "max_tokens=0 is invalid: a whole number, at least 1"),
+        ([str(llama / "post"), "--max-seconds", "-1"], "max_seconds=-1.0 is invalid: a positive number of seconds"),
+        (
+            [str(llama / "post"), "--max-tokens", "4096", "--max-seconds", "60"],
+            "max_tokens is invalid with max_seconds: give one budget",
+        ),
+        ([str(llama / "post"), "--stop-patience", "-1"], "stop_patience=-1 is invalid: 0 (never stop early) or more"),
+        ([str(llama / "post"), "--dev-size", "65"], "dev_size=65 is invalid: 1 to 64"),
     ]
     (tmp_path / "few.txt").write_text("".join(f"text number {i}\n" for i in range(40)))
     capsys.readouterr()
@@ -603,6 +631,37 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
         assert message in error and len(error.splitlines()) == 1 and not output.exists()
     with pytest.raises(HealError, match="swap_schedule='slow' is invalid"):
         HealOptions(swap_schedule="slow")
+
+
+def test_an_unparsable_budget_gives_one_line(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli(["heal", "variant", "healed", "--max-tokens", "lots"])
+    assert exit.value.code == 2
+    assert (
+        capsys.readouterr().err.strip() == "hf-normswap heal: error: argument --max-tokens: invalid int value: 'lots'"
+    )
+
+
+def test_the_development_texts_stop_a_healing_that_no_longer_improves(tmp_path, llama):
+    """At a learning rate that moves nothing, the KL on the development texts (measured every tenth of the steps)
+    stops falling: with patience 1 the healing stops at its second measurement; heal.json says where and why."""
+    options = {**HEAL, "max_steps": 20, "learning_rate": 1e-12, "stop_patience": 1, "dev_size": 32}
+    report = heal_checkpoint(str(llama / "post"), str(tmp_path / "stopped"), **options)
+    budget = report["budget"]
+    assert budget["stopped_at"] == 4 and report["steps"] == 4 and budget["steps"] == 20
+    assert [entry["step"] for entry in budget["development_kl"]] == [2, 4]
+    assert budget["development_kl"][1]["kl"] == pytest.approx(budget["development_kl"][0]["kl"], rel=1e-4)
+    assert budget["development_texts"] == 32 and budget["patience"] == 1
+    assert report["history"][-1]["step"] == 4 and report["tokens"] == 4 * 8 * 64
+    improving = heal_checkpoint(
+        str(llama / "post"), str(tmp_path / "improving"), **{**options, "learning_rate": 1e-3, "stop_patience": 8}
+    )
+    assert improving["budget"]["stopped_at"] is None and improving["steps"] == 20
+
+
+def test_a_time_budget_stops_training(tmp_path, llama):
+    report = heal_checkpoint(str(llama / "post"), str(tmp_path / "timed"), **{**HEAL, "max_seconds": 1e-6})
+    assert report["steps"] == 1 and report["budget"]["seconds"] == 1e-6 and report["budget"]["steps"] == 16
 
 
 def test_card_reports_next_token_figures(healed_text):

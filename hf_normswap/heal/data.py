@@ -15,7 +15,7 @@ from ..devices import compute_device
 from ..sharding.fsdp import loads_weights, sharded
 from ..sharding.processes import from_main_process
 from ..tasks import GLUE_TASKS, load_task
-from .options import HealError, HealOptions
+from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
 
 
 @dataclass
@@ -27,6 +27,7 @@ class HealTexts:
     held_out: list[dict]
     held_out_rows: int
     columns: list[str]
+    development: list[dict] | None = None  # with data="teacher" and stop_patience: `development_batches`
 
 
 def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> HealTexts:
@@ -55,7 +56,15 @@ def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> 
         collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     else:
         collator = pad
-    return HealTexts(train=train, collator=collator, held_out=batches, held_out_rows=len(held_out), columns=columns)
+    development = development_batches(teacher, tokenizer, options) if sampled and options.stop_patience else None
+    return HealTexts(
+        train=train,
+        collator=collator,
+        held_out=batches,
+        held_out_rows=len(held_out),
+        columns=columns,
+        development=development,
+    )
 
 
 def load_texts(
@@ -125,6 +134,7 @@ def sampled_together(device: torch.device) -> int:
 
 
 TEACHER_STATES = "teacher_hidden_states"  # a sampled text's key: the teacher's states at every boundary
+DEVELOPMENT_GROUP = 2**31 - 1  # the seed of the development texts' group, which no training group takes
 
 
 class TeacherSamples(torch.utils.data.IterableDataset):
@@ -162,7 +172,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         together = sampled_together(compute_device(self.teacher))
         fitted = self.options.reconstruct_sequences if self.options.reconstruct_steps else 0
         for group in itertools.count():
-            ids, states = self.kept[group] if group in self.kept else self._sample(group)
+            ids, states = self.kept[group] if group in self.kept else self.sample(group)
             if group * together < fitted:
                 self.kept[group] = ids, states
             yield group, ids, states
@@ -177,7 +187,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
             yield text if states is None else text | {TEACHER_STATES: states[index]}
 
     @torch.no_grad()
-    def _sample(self, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sample(self, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The group's texts (texts x length) and, with `states`, the teacher's states on them (texts x boundaries x
         length x hidden). Sampling one token more than the texts hold runs the teacher on every token they do
         hold."""
@@ -206,6 +216,21 @@ class TeacherSamples(torch.utils.data.IterableDataset):
             return ids, None
         steps = sampled.hidden_states  # per decoding step, per boundary: texts x new tokens x hidden
         return ids, torch.stack([torch.cat(boundary, 1) for boundary in zip(*steps)], 1).cpu()
+
+
+def development_batches(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> list[dict]:
+    """`dev_size` texts sampled from the teacher as the training texts are, from a group of their own
+    (`DEVELOPMENT_GROUP`), in batches of 16; when sharded, sampled by the main process for every process."""
+    ids = None
+    if loads_weights(options.sharding):
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=False)
+        ids = stream.sample(DEVELOPMENT_GROUP)[0][: options.dev_size]
+    if sharded(options.sharding):
+        ids = from_main_process(ids, shape=(options.dev_size, options.sample_length))
+    return [
+        {"input_ids": part, "attention_mask": torch.ones_like(part)} for part in ids.split(RECONSTRUCTION_BATCH_SIZE)
+    ]
 
 
 @dataclass

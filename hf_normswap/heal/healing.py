@@ -8,6 +8,7 @@ measured on all-MiniLM-L6-v2 (post -> pre): docs/experiments/healing.md.
 
 import contextlib
 import functools
+import itertools
 import shutil
 import tempfile
 import time
@@ -38,10 +39,11 @@ from ..sharding.processes import is_main_process, processes
 from .data import HealTexts, heal_texts
 from .gradual_swap import GradualSwap, conversion_stream_rms, missing_stream, recorded_stream_rms
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
-from .models import HealModels, load_models, memory_settings
+from .models import HealModels, layer_parameters, load_models, memory_settings
 from .options import HealError, HealOptions
 from .reconstruction import RECONSTRUCTION_LEARNING_RATE, reconstruct_layers, reconstruction_batches
 from .report import (
+    Budget,
     HealData,
     HealReport,
     MaskedLMLoss,
@@ -50,7 +52,7 @@ from .report import (
     TeacherSampling,
     plot_history,
 )
-from .trainer import HealProbeCallback, HealTrainer, training_arguments
+from .trainer import DevelopmentStop, HealProbeCallback, HealTrainer, TimeBudget, training_arguments
 
 
 def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=print, **options) -> dict:
@@ -80,6 +82,9 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         )
     tokenizer = AutoTokenizer.from_pretrained(variant)
     texts = heal_texts(options=options, tokenizer=tokenizer, teacher=models.teacher)
+    if head_of_config(models.student.config) == "causal-lm":
+        width, parameters = models.student.config.hidden_size, layer_parameters(models.student)
+        options = options.scaled(width, parameters, tokens_per_text=_tokens_per_text(texts, options))
     main = is_main_process()
     fit = None
     if options.reconstruct_steps:  # the fit's texts checked by every process; the main one fits, before sharding
@@ -100,6 +105,14 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         log(report.summary())
         log(f"wrote {output}")
     return asdict(report)
+
+
+def _tokens_per_text(texts: HealTexts, options: HealOptions) -> float:
+    """A training text's tokens: sampled texts' length, else the mean of the first 1,024 texts'."""
+    if options.data == "teacher":
+        return options.sample_length
+    rows = [len(row["input_ids"]) for row in itertools.islice(iter(texts.train), 1024)]
+    return sum(rows) / max(1, len(rows))
 
 
 @dataclass
@@ -126,32 +139,29 @@ def _heal(
     every process, when sharded). The layers were fitted before (`fit`, on the main process) with
     `reconstruct_steps`: the probe then measures the fitted student whole (each layer alone swapped: of the
     conversion only)."""
-    if fit is not None and not sharded(options.sharding):  # measured in this process before the fit: kept
-        teacher, head_figures = fit.teacher, fit.head_figures
-    else:
-        teacher, head_figures = _held_out_probe(models, texts, tokenizer, stream_rms)
-    if options.reconstruct_steps:
-        head_figures = functools.partial(head_figures, stream_rms=None)
-    reconstruction = fit.reconstruction if fit else None
+    teacher, head_figures = _training_probe(models, texts, tokenizer, options, stream_rms, fit)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
-    callbacks = [probe]
+    stop, swap = _development_stop(models, texts, options), None
     if options.swap_schedule != "direct":
-        callbacks.append(GradualSwap(models.student, stream_rms, options.swap_schedule, options.max_steps))
-    log_history, seconds, tokens, resumed = _train(models, texts, options, callbacks=callbacks, work=work, quiet=quiet)
-    for callback in callbacks[1:]:
-        callback.remove()  # the saved student is the target placement
+        swap = GradualSwap(models.student, stream_rms, options.swap_schedule, options.max_steps)
+    callbacks = [probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None]
+    log_history, seconds, tokens, resumed, steps = _train(
+        models, texts, options, callbacks=[callback for callback in callbacks if callback], work=work, quiet=quiet
+    )
+    if swap:
+        swap.remove()  # the saved student is the target placement
     with gathered(models.student, models.teacher):
         states = student_states(models.student, texts.held_out)
         after = measure_states(states, texts.held_out, teacher)
         head_after = head_figures(models.student, states=states)
         masked_lm, next_token = _head_results(models, texts.held_out, tokenizer, probe.head_before, head_after)
-    probe.history.append({"step": options.max_steps, **after[-1]})
+    probe.history.append({"step": steps, **after[-1]})
     return HealReport(
         teacher=models.teacher_id,
         data=_heal_data(texts, options),
         objective=options.objective,
-        steps=options.max_steps,
+        steps=steps,
         learning_rate=options.learning_rate,
         batch_size=options.batch_size,
         max_length=options.max_length,
@@ -169,8 +179,49 @@ def _heal(
         after=after,
         history=probe.history,
         log_history=log_history,
-        reconstruction=reconstruction,
+        reconstruction=fit.reconstruction if fit else None,
+        budget=_budget(texts, options, stop),
         **memory_settings(options),
+    )
+
+
+def _training_probe(
+    models: HealModels,
+    texts: HealTexts,
+    tokenizer,
+    options: HealOptions,
+    stream_rms: list[float] | None,
+    fit: _FittedLayers | None,
+) -> tuple[list[tuple], Callable[..., dict]]:
+    """`_held_out_probe` as training measures with it: the fit's, where this process measured it (unsharded), and
+    after fitted layers the student measured whole."""
+    if fit is not None and not sharded(options.sharding):
+        teacher, head_figures = fit.teacher, fit.head_figures
+    else:
+        teacher, head_figures = _held_out_probe(models, texts, tokenizer, stream_rms)
+    if options.reconstruct_steps:
+        head_figures = functools.partial(head_figures, stream_rms=None)
+    return teacher, head_figures
+
+
+def _development_stop(models: HealModels, texts: HealTexts, options: HealOptions) -> DevelopmentStop | None:
+    """With development texts and `stop_patience`, the stop on their KL, measured every tenth of the steps."""
+    if not (texts.development and options.stop_patience):
+        return None
+    every_tenth = max(1, options.max_steps // 10)
+    return DevelopmentStop(texts.development, models.teacher, every=every_tenth, patience=options.stop_patience)
+
+
+def _budget(texts: HealTexts, options: HealOptions, stop: DevelopmentStop | None) -> Budget:
+    """heal.json's record of how long the healing was to train, and where the development texts stopped it."""
+    return Budget(
+        steps=options.max_steps,
+        tokens=options.max_tokens,
+        seconds=options.max_seconds,
+        development_texts=sum(len(batch["input_ids"]) for batch in texts.development or []),
+        patience=options.stop_patience if stop else None,
+        development_kl=stop.history if stop else None,
+        stopped_at=stop.stopped_at if stop else None,
     )
 
 
@@ -302,10 +353,10 @@ def _head_figures(
 
 def _train(
     models: HealModels, texts: HealTexts, options: HealOptions, callbacks: list, work: Path, quiet: bool
-) -> tuple[list[dict], float, int, bool]:
+) -> tuple[list[dict], float, int, bool, int]:
     """Trains the student towards the teacher, resuming from a checkpoint in `checkpoint_dir` if there is one;
     returns the Trainer's log, the seconds it trained (the measurements along the way included, the first one too),
-    the real tokens it trained on (before an interruption too) and whether it resumed."""
+    the real tokens it trained on (before an interruption too), whether it resumed and the steps it took."""
     trainer = HealTrainer(
         model=models.student,
         args=training_arguments(options=options, output_dir=work, quiet=quiet, student=models.student),
@@ -319,7 +370,8 @@ def _train(
     resumed = options.checkpoint_dir is not None and any(work.glob("checkpoint-*"))
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=True if resumed else None)
-    return trainer.state.log_history, time.perf_counter() - started, trainer.state.num_input_tokens_seen, resumed
+    seconds, state = time.perf_counter() - started, trainer.state
+    return state.log_history, seconds, state.num_input_tokens_seen, resumed, state.global_step
 
 
 @contextlib.contextmanager

@@ -102,6 +102,13 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
     )
 
 
+def layer_parameters(model: torch.nn.Module) -> int:
+    """The parameters of `model` outside its embeddings and head (adapters aside): those a healing's budget scales
+    with."""
+    outside = ("embed", "lm_head", "lora_")
+    return sum(p.numel() for name, p in model.named_parameters() if not any(part in name for part in outside))
+
+
 def memory_settings(options: HealOptions) -> dict:
     """The settings that decide how much memory the two models take, as heal.json records them."""
     return {"lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "dtype": options.dtype}

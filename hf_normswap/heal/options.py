@@ -10,19 +10,15 @@ OBJECTIVES = ("hidden", "cka", "similarity", "mlm", "kl")
 SWAP_SCHEDULES = ("direct", "gate", "layers", "taper")
 DTYPES = ("float32", "bfloat16")
 RECONSTRUCTION_BATCH_SIZE = 16  # texts a step of the block-wise reconstruction sees
+DEVELOPMENT_TEXTS = 64  # the most development texts: one sampled group on a CPU
 
 
 # What a healing takes where an option is left open, by the student's head (a causal LM, or any other); chosen by
 # measurement: docs/experiments/healing.md. A causal LM converted out of pre-LN with calibrated writes (a recorded
-# stream) and swapped directly has its layers fitted first (`FITTED_DEFAULTS`); any other student takes no fit.
+# stream) and swapped directly has its layers fitted first (`FITTED_DEFAULTS`); any other student takes no fit. A
+# causal LM's learning rate and training tokens scale with the student (`CAUSAL_SCALING`).
 HEAD_DEFAULTS = {
-    "causal-lm": {
-        "objective": "kl",
-        "data": "teacher",
-        "max_steps": 100,
-        "learning_rate": 1e-4,
-        "batch_size": 8,
-    },
+    "causal-lm": {"objective": "kl", "data": "teacher", "batch_size": 8},
     "other": {
         "objective": "similarity",
         "data": "sst2-sample",
@@ -33,13 +29,35 @@ HEAD_DEFAULTS = {
 }
 
 
-FITTED_DEFAULTS = {"reconstruct_steps": 60, "learning_rate": 1e-5}  # from a close start, 1e-4 undid the fit
+FITTED_DEFAULTS = {"reconstruct_steps": 60}
+
+
+@dataclass(frozen=True)
+class CausalScaling:
+    """A causal-LM student's learning rate (`width_rate` / hidden size, a tenth of it after fitted layers: from a
+    close start, a larger one undid the fit) and training tokens (`tokens_by_parameters` / its parameters outside
+    embeddings and head, at most `most_tokens`); at SmolLM2-135M's width 576 and 106M such parameters: 1e-4 (1e-5
+    fitted) and 100 steps of 8 texts of 64 tokens."""
+
+    width_rate: float = 5.76e-2
+    fitted_share: float = 0.1
+    tokens_by_parameters: float = 5.44e12
+    most_tokens: int = 2**21
+
+    def learning_rate(self, width: int, fitted: bool) -> float:
+        return self.width_rate / width * (self.fitted_share if fitted else 1.0)
+
+    def tokens(self, parameters: int) -> int:
+        return int(min(self.most_tokens, self.tokens_by_parameters / parameters))
+
+
+CAUSAL_SCALING = CausalScaling()
 
 
 def _by_head(field: str) -> str:
     """The help text's default of a field that `HEAD_DEFAULTS` sets."""
-    causal, other = HEAD_DEFAULTS["causal-lm"][field], HEAD_DEFAULTS["other"][field]
-    return f"default: {other} ({causal} for a causal-LM student)"
+    causal, other = HEAD_DEFAULTS["causal-lm"].get(field), HEAD_DEFAULTS["other"][field]
+    return f"default: {other}" + (f" ({causal} for a causal-LM student)" if causal is not None else "")
 
 
 class HealError(ValueError):
@@ -119,12 +137,38 @@ class HealOptions:
             f"{RECONSTRUCTION_BATCH_SIZE}, one batch), and a batch of their tokens alone as texts of one token"
         },
     )
-    max_steps: int | None = field(default=None, metadata={"help": f"training steps; {_by_head('max_steps')}"})
+    max_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": f"training steps; {_by_head('max_steps')}; for a causal-LM student, those --max-tokens take"
+        },
+    )
+    max_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "a causal-LM student's training tokens, as whole steps (sampled texts are --sample-length "
+            f"long); default: {CAUSAL_SCALING.tokens_by_parameters:.3g} / its parameters outside embeddings and "
+            f"head, at most {CAUSAL_SCALING.most_tokens:,}; --max-steps overrides it"
+        },
+    )
+    max_seconds: float | None = field(
+        default=None,
+        metadata={"help": "stop training after this many seconds (the schedule stays that of the steps)"},
+    )
+    stop_patience: int = field(
+        default=2,
+        metadata={
+            "help": "with --data teacher: stop once the next-token KL on --dev-size development texts (sampled with a "
+            "seed of their own) has not fallen 1% below its best for this many measurements, every tenth of the "
+            "steps (0: never)"
+        },
+    )
+    dev_size: int = field(default=64, metadata={"help": "with --stop-patience: the development texts (at most 64)"})
     learning_rate: float | None = field(
         default=None,
         metadata={
-            "help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}, "
-            f"{FITTED_DEFAULTS['learning_rate']} after fitted layers"
+            "help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}; for a causal-LM "
+            f"student, {CAUSAL_SCALING.width_rate:.3g} / its hidden size, a tenth of it after fitted layers"
         },
     )
     batch_size: int | None = field(default=None, metadata={"help": f"texts per step; {_by_head('batch_size')}"})
@@ -160,8 +204,14 @@ class HealOptions:
             raise HealError("lora=True is invalid with fsdp=True: adapters are not sharded; heal with one of them")
         if self.objective not in (None, *OBJECTIVES):
             raise HealError(f"objective={self.objective!r} is invalid: allowed are {list(OBJECTIVES)}")
-        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
-            raise HealError(f"max_steps={self.max_steps!r} is invalid: at least 1")
+        for name in ("max_steps", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise HealError(f"{name}={value!r} is invalid: a whole number, at least 1")
+        if self.max_seconds is not None and not (isinstance(self.max_seconds, int | float) and self.max_seconds > 0):
+            raise HealError(f"max_seconds={self.max_seconds!r} is invalid: a positive number of seconds")
+        if self.max_tokens is not None and self.max_seconds is not None:
+            raise HealError("max_tokens is invalid with max_seconds: give one budget, in tokens or in seconds")
         if self.swap_schedule not in SWAP_SCHEDULES:
             raise HealError(f"swap_schedule={self.swap_schedule!r} is invalid: allowed are {list(SWAP_SCHEDULES)}")
         if self.swap_schedule == "taper" and self.sharding.activation_checkpointing:
@@ -179,6 +229,10 @@ class HealOptions:
                 f"sample_reads={self.sample_reads} is invalid with sample_count: texts sampled once are read again "
                 "every epoch"
             )
+        if not isinstance(self.stop_patience, int) or self.stop_patience < 0:
+            raise HealError(f"stop_patience={self.stop_patience!r} is invalid: 0 (never stop early) or more")
+        if not isinstance(self.dev_size, int) or not 1 <= self.dev_size <= DEVELOPMENT_TEXTS:
+            raise HealError(f"dev_size={self.dev_size!r} is invalid: 1 to {DEVELOPMENT_TEXTS}")
         for name in ("learning_rate", "batch_size", "max_length", "eval_size", "sample_temperature", "sample_length"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise HealError(f"{name}={getattr(self, name)!r} is invalid: must be positive")
@@ -219,12 +273,20 @@ class HealOptions:
     def for_head(self, head: str, stream_recorded: bool = False) -> "HealOptions":
         """These options with those left open set by `HEAD_DEFAULTS` for a student with `head`, and by
         `FITTED_DEFAULTS` where a causal LM's conversion out of pre-LN recorded its source's stream
-        (`stream_recorded`)."""
+        (`stream_recorded`); a causal LM's learning rate and steps are left to `scaled`."""
         defaults = dict(HEAD_DEFAULTS["causal-lm" if head == "causal-lm" else "other"])
         if self.reconstruct_steps is None:
-            fits = head == "causal-lm" and stream_recorded and self.swap_schedule == "direct"
-            fits = fits and not self.lora
+            fits = head == "causal-lm" and stream_recorded and self.swap_schedule == "direct" and not self.lora
             defaults["reconstruct_steps"] = FITTED_DEFAULTS["reconstruct_steps"] if fits else 0
-        if (self.reconstruct_steps or defaults.get("reconstruct_steps")) and head == "causal-lm":
-            defaults["learning_rate"] = FITTED_DEFAULTS["learning_rate"]
         return replace(self, **{name: value for name, value in defaults.items() if getattr(self, name) is None})
+
+    def scaled(self, width: int, parameters: int, tokens_per_text: float) -> "HealOptions":
+        """These options (`for_head`'s) with a causal LM's learning rate and steps left open set by `CAUSAL_SCALING`
+        for a student of hidden size `width` and `parameters` outside embeddings and head, its steps those its tokens
+        take at `tokens_per_text`."""
+        learning_rate = self.learning_rate or CAUSAL_SCALING.learning_rate(width, fitted=bool(self.reconstruct_steps))
+        steps = self.max_steps
+        if steps is None:
+            tokens = self.max_tokens or CAUSAL_SCALING.tokens(parameters)
+            steps = max(1, round(tokens / (self.batch_size * tokens_per_text)))
+        return replace(self, learning_rate=learning_rate, max_steps=steps)

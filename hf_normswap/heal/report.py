@@ -76,6 +76,21 @@ class Reconstruction:
 
 
 @dataclass
+class Budget:
+    """How long a healing trained: the steps its schedule took (from its tokens, where given or the default), the
+    tokens or seconds asked for, and its stop on the development texts (`DevelopmentStop`: their count, the patience,
+    the KL at each measurement, the step it stopped at, or None)."""
+
+    steps: int
+    tokens: int | None
+    seconds: float | None
+    development_texts: int
+    patience: int | None
+    development_kl: list[dict] | None
+    stopped_at: int | None
+
+
+@dataclass
 class HealReport:
     """heal.json: the settings, the teacher's collapse figures, the student's figures per boundary before and after
     (`measure`), the masked-LM losses where both have the head, the probe's history and the Trainer's log."""
@@ -105,6 +120,7 @@ class HealReport:
     lora_rank: int | None = None  # with lora
     dtype: str = "float32"
     reconstruction: Reconstruction | None = None
+    budget: Budget | None = None
 
     FILE = "heal.json"
 

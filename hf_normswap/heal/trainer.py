@@ -7,6 +7,7 @@ batch (exactly so for `hidden` and `kl`; the batch-level terms of `similarity`, 
 """
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..model.packing import pack_padded, unpack
+from ..probes.next_token import agreement, next_token_log_probs
 from ..sharding.fsdp import RecordShardedOutputs, gathered, trainer_arguments
-from ..sharding.processes import token_share
+from ..sharding.processes import agreed_max, token_share
 from .data import TEACHER_STATES
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure, measure_states, student_states
@@ -165,3 +167,44 @@ class HealProbeCallback(TrainerCallback):
         saved = json.loads(file.read_text())
         self.before, self.head_before = saved["before"], saved["head_before"]
         self.history = [entry for entry in saved["history"] if entry["step"] <= step]
+
+
+class DevelopmentStop(TrainerCallback):
+    """Stops training once the student's next-token KL to the teacher on the development batches has not fallen
+    `IMPROVEMENT` below its best for `patience` measurements, every `every` steps; every process measures (a sharded
+    student needs them all) and they stop together. `history` holds each measurement, `stopped_at` the step."""
+
+    IMPROVEMENT = 0.01
+
+    def __init__(self, batches: list[dict], teacher: torch.nn.Module, every: int, patience: int):
+        with gathered(teacher):
+            self.expected = [log_probs.cpu() for log_probs in next_token_log_probs(teacher, batches)]
+        self.batches, self.every, self.patience = batches, every, patience
+        self.history, self.stopped_at = [], None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every or state.global_step >= state.max_steps:
+            return
+        with gathered(model):
+            kl = agreement(self.expected, next_token_log_probs(model, self.batches), self.batches)["kl"]
+        self.history.append({"step": state.global_step, "kl": kl})
+        earlier, recent = self.history[: -self.patience], self.history[-self.patience :]
+        best = min((entry["kl"] for entry in earlier), default=0.0)
+        stalled = bool(earlier) and all(entry["kl"] > best * (1 - self.IMPROVEMENT) for entry in recent)
+        if agreed_max(int(stalled), args.device):  # the processes measured alike; they stop together regardless
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+
+
+class TimeBudget(TrainerCallback):
+    """Stops training once it has run `seconds` (the processes stop together, at the slowest one's step)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.started = seconds, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if agreed_max(int(time.perf_counter() - self.started >= self.seconds), args.device):
+            control.should_training_stop = True

@@ -176,8 +176,8 @@ class NormSwapConfig(PreTrainedConfig):
         the value, output and feed-forward weights by beta = (8L)^(-1/4) under both. Embeddings and heads stay normal.
     embedding_norm / final_norm (`bool`, *optional*):
         Norm after the embeddings / after the last layer. Default: an embedding norm when the first layer normalizes
-        the residual stream after the sum (post, pre_post, deepnorm) or when the embeddings are projected, a final
-        norm when the last layer leaves it un-normalized (pre, sandwich, output).
+        the residual stream after the sum (post, pre_post, deepnorm, admin) or when the embeddings are projected, a
+        final norm when the last layer leaves it un-normalized (pre, sandwich, output, lns).
     first_attention_input_norm (`bool`, defaults to `True`):
         Whether the first layer's attention has its input norm; ModernBERT leaves it out, its embedding norm already
         normalizing the stream.
