@@ -3,7 +3,7 @@
 `--sweep` once for each learning rate x batch of the grid, the tokens those defaults trained on fixed; all measured as
 the KL from the source on 256 held-out texts of 65 tokens sampled from the source (their own seeds, none a healing's).
 
-    python scripts/bench_heal_defaults.py MODEL [MODEL ...] [--sweep] [--max-tokens N] [--json FILE]
+    python scripts/bench_heal_defaults.py MODEL [MODEL ...] [--sweep] [--max-tokens N] [--batch-sizes 8 32] [--json F]
 
 MODEL: a folder of a LLaMA-family causal LM (e.g. from scripts/pretrain_small_llama.py), or smollm2. Prints, per
 model, each healing's KL, top-1 agreement, KL by position, steps, seconds, and the defaults' KL over the sweep's best
@@ -79,7 +79,7 @@ def heal_once(source: str, converted: Path, folder: Path, batches: list[dict], *
     }
 
 
-def bench(model: str, sweep: bool, work: Path, max_tokens: int | None) -> dict:
+def bench(model: str, sweep: bool, work: Path, max_tokens: int | None, batch_sizes: list[int]) -> dict:
     source = shipped_model(model)
     converted = work / "converted"
     convert_checkpoint(
@@ -98,7 +98,7 @@ def bench(model: str, sweep: bool, work: Path, max_tokens: int | None) -> dict:
     _print_row(model, "defaults", defaults)
     results["sweep"] = []
     if sweep:  # the defaults' budget: the tokens they trained on, the fit as in the defaults
-        for batch in BATCH_SIZES:
+        for batch in batch_sizes:
             for rate in LEARNING_RATES:
                 options = dict(learning_rate=rate, batch_size=batch, max_tokens=defaults["tokens"], stop_patience=0)
                 row = heal_once(source, converted, work / "swept", batches, **options)
@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("models", nargs="+")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES), help="the sweep's")
     parser.add_argument("--json")
     args = parser.parse_args()
     rate = _matrix_product_rate()
@@ -134,7 +135,7 @@ def main() -> None:
     results = []
     for model in args.models:
         with tempfile.TemporaryDirectory() as folder:
-            results.append(bench(model, args.sweep, Path(folder), args.max_tokens))
+            results.append(bench(model, args.sweep, Path(folder), args.max_tokens, args.batch_sizes))
     rate = max(rate, _matrix_product_rate())
     print(f"this CPU's float32 matrix products, after: {rate / 1e9:.0f} GFLOP/s")
     if args.json:

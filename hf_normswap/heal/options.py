@@ -34,18 +34,19 @@ FITTED_DEFAULTS = {"reconstruct_steps": 60}
 
 @dataclass(frozen=True)
 class CausalScaling:
-    """A causal-LM student's learning rate (`width_rate` / hidden size, a tenth of it after fitted layers: from a
-    close start, a larger one undid the fit) and training tokens (`tokens_by_parameters` / its parameters outside
-    embeddings and head, at most `most_tokens`); at SmolLM2-135M's width 576 and 106M such parameters: 1e-4 (1e-5
-    fitted) and 100 steps of 8 texts of 64 tokens."""
+    """A causal-LM student's learning rate (`width_rate` / hidden size squared, a tenth of it after fitted layers:
+    from a close start, a larger one undid the fit) and training tokens (`tokens_by_parameters` / its parameters
+    outside embeddings and head, at most `most_tokens`); at SmolLM2-135M's width 576 and 106M such parameters the
+    rates measured there, 1e-4 (1e-5 fitted), and 100 steps of 8 texts of 64 tokens. Chosen on SmolLM2 and LLaMAs
+    pretrained from scratch (docs/experiments/healing.md, 2026-12-02)."""
 
-    width_rate: float = 5.76e-2
+    width_rate: float = 33.1776  # 1e-4 x 576**2
     fitted_share: float = 0.1
     tokens_by_parameters: float = 5.44e12
     most_tokens: int = 2**21
 
     def learning_rate(self, width: int, fitted: bool) -> float:
-        return self.width_rate / width * (self.fitted_share if fitted else 1.0)
+        return self.width_rate / width**2 * (self.fitted_share if fitted else 1.0)
 
     def tokens(self, parameters: int) -> int:
         return int(min(self.most_tokens, self.tokens_by_parameters / parameters))
@@ -168,7 +169,7 @@ class HealOptions:
         default=None,
         metadata={
             "help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}; for a causal-LM "
-            f"student, {CAUSAL_SCALING.width_rate:.3g} / its hidden size, a tenth of it after fitted layers"
+            f"student, {CAUSAL_SCALING.width_rate:.4g} / its hidden size squared, a tenth of it after fitted layers"
         },
     )
     batch_size: int | None = field(default=None, metadata={"help": f"texts per step; {_by_head('batch_size')}"})
