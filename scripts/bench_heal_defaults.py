@@ -2,8 +2,11 @@
 (issue 60's targets): each model converted to post-LN (calibrated, causal), healed with every default, then with
 `--sweep` once for each learning rate x batch of the grid, the tokens those defaults trained on fixed; all measured as
 the KL from the source on 256 held-out texts of 65 tokens sampled from the source (their own seeds, none a healing's).
+With `--placements post sandwich ...`, each placement is converted and healed so (the sweep on the first only), and
+each placement's KL is printed over the first's (target for sandwich and output over post: <= 1.25).
 
-    python scripts/bench_heal_defaults.py MODEL [MODEL ...] [--sweep] [--max-tokens N] [--batch-sizes 8 32] [--json F]
+    python scripts/bench_heal_defaults.py MODEL [MODEL ...] [--sweep] [--max-tokens N] [--batch-sizes 8 32]
+        [--placements post sandwich] [--json F]
 
 MODEL: a folder of a LLaMA-family causal LM (e.g. from scripts/pretrain_small_llama.py), or smollm2. Prints, per
 model, each healing's KL, top-1 agreement, KL by position, steps, seconds, and the defaults' KL over the sweep's best
@@ -79,47 +82,57 @@ def heal_once(source: str, converted: Path, folder: Path, batches: list[dict], *
     }
 
 
-def bench(model: str, sweep: bool, work: Path, max_tokens: int | None, batch_sizes: list[int]) -> dict:
+def bench(
+    model: str, sweep: bool, work: Path, max_tokens: int | None, batch_sizes: list[int], placements: list[str]
+) -> dict:
     source = shipped_model(model)
-    converted = work / "converted"
-    convert_checkpoint(
-        source,
-        str(converted),
-        norm_placement="post",
-        attention="causal",
-        head="causal-lm",
-        overwrite=True,
-        log=lambda line: None,
-    )
-    batches = held_out_texts(source, converted)
-    results = {"model": model, "converted": measured(source, converted, batches)}
-    budget = {"max_tokens": max_tokens} if max_tokens else {}
-    results["defaults"] = defaults = heal_once(source, converted, work / "healed", batches, **budget)
-    _print_row(model, "defaults", defaults)
-    results["sweep"] = []
-    if sweep:  # the defaults' budget: the tokens they trained on, the fit as in the defaults
-        for batch in batch_sizes:
-            for rate in LEARNING_RATES:
-                options = dict(learning_rate=rate, batch_size=batch, max_tokens=defaults["tokens"], stop_patience=0)
-                row = heal_once(source, converted, work / "swept", batches, **options)
-                results["sweep"].append(row)
-                _print_row(model, f"lr {rate:g} batch {batch}", row)
-        best = min(results["sweep"], key=lambda row: row["kl"])
-        results["ratio"] = defaults["kl"] / best["kl"]
-        ratio = f"{results['ratio']:.3f} (target <= 1.25)"
-        print(f"{model}: defaults' KL / the sweep's best ({best['options']}) = {ratio}")
+    results, batches = {"model": model, "placements": {}}, None
+    for placement in placements:
+        converted = work / f"converted-{placement}"
+        convert_checkpoint(
+            source,
+            str(converted),
+            norm_placement=placement,
+            attention="causal",
+            head="causal-lm",
+            overwrite=True,
+            log=lambda line: None,
+        )
+        batches = batches or held_out_texts(source, converted)
+        row = results["placements"][placement] = {"converted": measured(source, converted, batches)}
+        budget = {"max_tokens": max_tokens} if max_tokens else {}
+        row["defaults"] = defaults = heal_once(source, converted, work / "healed", batches, **budget)
+        _print_row(model, f"{placement} converted", row["converted"], converted=True)
+        _print_row(model, f"{placement} defaults", defaults)
+        if placement != placements[0]:
+            ratio = defaults["kl"] / results["placements"][placements[0]]["defaults"]["kl"]
+            print(f"{model}: {placement}'s KL / {placements[0]}'s, both with the defaults = {ratio:.3f}")
+        row["sweep"] = []
+        if sweep and placement == placements[0]:  # the defaults' budget: the tokens they trained on, the fit too
+            for batch in batch_sizes:
+                for rate in LEARNING_RATES:
+                    tokens = defaults["tokens"]
+                    options = dict(learning_rate=rate, batch_size=batch, max_tokens=tokens, stop_patience=0)
+                    swept = heal_once(source, converted, work / "swept", batches, **options)
+                    row["sweep"].append(swept)
+                    _print_row(model, f"{placement} lr {rate:g} batch {batch}", swept)
+            best = min(row["sweep"], key=lambda swept: swept["kl"])
+            row["ratio"] = defaults["kl"] / best["kl"]
+            ratio = f"{row['ratio']:.3f} (target <= 1.25)"
+            print(f"{model} {placement}: defaults' KL / the sweep's best ({best['options']}) = {ratio}")
     return results
 
 
-def _print_row(model: str, name: str, row: dict) -> None:
+def _print_row(model: str, name: str, row: dict, converted: bool = False) -> None:
     bins = ("0", "1", "2-3", "4-15", "16-63")
     positions = " / ".join(f"{row['kl_by_position'].get(key, float('nan')):.3f}" for key in bins)
-    print(
-        f"{model} {name}: KL {row['kl']:.4f}, top-1 {row['top1']:.3f}, KL by position {positions}, "
-        f"{row['steps']} steps (planned {row['planned_steps']}) at lr {row['learning_rate']:.3g} batch "
-        f"{row['batch_size']}, {row['tokens']:,} tokens, {row['seconds']:.0f} s",
-        flush=True,
-    )
+    line = f"{model} {name}: KL {row['kl']:.4f}, top-1 {row['top1']:.3f}, KL by position {positions}"
+    if not converted:
+        line += (
+            f", {row['steps']} steps (planned {row['planned_steps']}) at lr {row['learning_rate']:.3g} batch "
+            f"{row['batch_size']}, {row['tokens']:,} tokens, {row['seconds']:.0f} s"
+        )
+    print(line, flush=True)
 
 
 def main() -> None:
@@ -128,6 +141,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES), help="the sweep's")
+    parser.add_argument("--placements", nargs="+", default=["post"], help="converted to and healed, the first swept")
     parser.add_argument("--json")
     args = parser.parse_args()
     rate = _matrix_product_rate()
@@ -135,7 +149,7 @@ def main() -> None:
     results = []
     for model in args.models:
         with tempfile.TemporaryDirectory() as folder:
-            results.append(bench(model, args.sweep, Path(folder), args.max_tokens, args.batch_sizes))
+            results.append(bench(model, args.sweep, Path(folder), args.max_tokens, args.batch_sizes, args.placements))
     rate = max(rate, _matrix_product_rate())
     print(f"this CPU's float32 matrix products, after: {rate / 1e9:.0f} GFLOP/s")
     if args.json:

@@ -238,7 +238,7 @@ SMOLLM2 = dict(width=576, parameters=106_203_456, tokens_per_text=64)  # its lay
 
 
 def test_the_layers_are_fitted_by_default_out_of_pre_ln_with_the_direct_swap():
-    fitted = HealOptions().for_head("causal-lm", stream_recorded=True).scaled(**SMOLLM2)
+    fitted = HealOptions().for_head("causal-lm", out_of_pre_ln=True).scaled(**SMOLLM2)
     assert fitted.reconstruct_steps == 60 and fitted.learning_rate == pytest.approx(1e-5) and fitted.max_steps == 100
     for options, recorded in (
         (HealOptions(), False),  # no calibrated conversion out of pre-LN
@@ -246,9 +246,9 @@ def test_the_layers_are_fitted_by_default_out_of_pre_ln_with_the_direct_swap():
         (HealOptions(lora=True), True),
         (HealOptions(reconstruct_steps=0), True),
     ):
-        unfitted = options.for_head("causal-lm", stream_recorded=recorded).scaled(**SMOLLM2)
+        unfitted = options.for_head("causal-lm", out_of_pre_ln=recorded).scaled(**SMOLLM2)
         assert unfitted.reconstruct_steps == 0 and unfitted.learning_rate == pytest.approx(1e-4)
-    assert HealOptions().for_head("other", stream_recorded=True).reconstruct_steps == 0
+    assert HealOptions().for_head("other", out_of_pre_ln=True).reconstruct_steps == 0
     given = HealOptions(reconstruct_steps=5, learning_rate=3e-4).for_head("causal-lm", True).scaled(**SMOLLM2)
     assert given.learning_rate == 3e-4
 
@@ -256,7 +256,7 @@ def test_the_layers_are_fitted_by_default_out_of_pre_ln_with_the_direct_swap():
 def test_a_causal_lm_s_learning_rate_and_tokens_scale_with_it():
     """The learning rate goes as 1 / width squared, the tokens as 1 / the layers' parameters (at most 2**21), the
     steps those tokens take; --max-tokens and --max-steps replace the budget."""
-    small = HealOptions().for_head("causal-lm", stream_recorded=True).scaled(64, 250_000, 64)
+    small = HealOptions().for_head("causal-lm", out_of_pre_ln=True).scaled(64, 250_000, 64)
     assert small.learning_rate == pytest.approx(8.1e-4) and small.max_steps == 2**21 // (8 * 64)
     assert HealOptions(batch_size=32).for_head("causal-lm").scaled(64, 250_000, 64).learning_rate == pytest.approx(
         8.1e-3

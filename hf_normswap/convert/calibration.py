@@ -26,6 +26,7 @@ from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
 from ..model.heads import HEAD_CLASSES
 from ..probes.probe_data import probe_batches, probe_tokenizer
+from .branch_calibration import calibrate_branches, calibrates_branches
 from .layer_stream import LayerStream
 from .lazy_layers import folder_loaders, lazy_of, load_layer
 from .norm_mapping import NormSlot, norm_slots
@@ -47,7 +48,8 @@ class CalibrationRecord:
     refit_errors: dict[str, list[float]]
     ridge: float | None
     modules: list[str]
-    stream_rms: list[float] | None = None  # out of pre-LN: the source's median stream RMS at each norm it reads
+    stream_rms: list[float] | None = None  # into a normalised stream: the source's median stream RMS at its norms
+    out_of_pre_ln: bool = False  # the source pre-LN: the block-wise fit of `heal` can start from it
 
 
 def calibrate_checkpoint(
@@ -64,25 +66,21 @@ def calibrate_checkpoint(
     model: nn.Module | None = None,
 ) -> tuple[CalibrationRecord, set[str]]:
     """Calibrates the model written in FOLDER against the unswapped source (`source_model`): out of pre-LN into a
-    stream its norms write (`stream_calibration`), or by scaling the writes of `sublayers` and refitting its linear
-    writes. Calibrates on `size` sentences (the training sample, repeated beyond its length), `batch_size` at a time.
-    `model` is the written model, loaded whole or with lazy layers (`lazy_layers`; its changes are written back as
-    its layers are dropped); loaded whole by default. Returns what was done and the names of the tensors it changed."""
+    stream its norms write (`stream_calibration`) or into norms on the branch (`branch_calibration`), or by scaling
+    the writes of `sublayers` and refitting its linear writes. Calibrates on `size` sentences (the training sample,
+    repeated beyond its length), `batch_size` at a time. `model` is the written model, loaded whole or with lazy
+    layers (`lazy_layers`; its changes are written back as its layers are dropped); loaded whole by default. Returns
+    what was done and the names of the tensors it changed."""
     if model is None:
         model = HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32)
     tokenizer = probe_tokenizer(folder)
     batches = probe_batches(
         tokenizer=tokenizer, vocab_size=model.config.vocab_size, size=size, batch_size=batch_size, split="train"
     )
-    stream_rms, modules = None, list(sublayers.values())
-    if calibrates_stream(source_model.config, target):
-        calibration = calibrate_stream(model, source_model, batches)
-        scales, errors, stream_rms = calibration.write_scales, {}, calibration.stream_rms
-    else:
-        sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
-        scales, errors = calibrate_writes(model, sublayers, batches, source_model, sources)
+    scales, errors, stream_rms, into = _calibrate_model(model, source_model, target, norm_sources, sublayers, batches)
+    modules = list(sublayers.values())
     changed = _write_back(model, folder)
-    if stream_rms is not None:
+    if into is not None:
         prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
         ordered = [name for name in model.state_dict() if name in changed]  # forward order
         modules = list(dict.fromkeys(name.removeprefix(prefix).rsplit(".", 1)[0] for name in ordered))
@@ -95,7 +93,7 @@ def calibrate_checkpoint(
         f"calibrated the writes of {len(scales)} sublayers on {data} "
         f"(scales {min(scales.values()):.3g} to {max(scales.values()):.3g})"
         + (f", refitted {len(errors)} of them" if errors else "")
-        + (", folded the pre-LN gains into the layers reading them" if stream_rms is not None else "")
+        + (f", {into}" if into else "")
     )
     record = CalibrationRecord(
         data=data,
@@ -104,8 +102,29 @@ def calibrate_checkpoint(
         ridge=RIDGE if errors else None,
         modules=modules,
         stream_rms=stream_rms,
+        out_of_pre_ln=into is not None,
     )
     return record, changed
+
+
+def _calibrate_model(
+    model: nn.Module, source_model: nn.Module, target: NormSwapConfig, norm_sources, sublayers, batches
+) -> tuple[dict[str, float], dict[str, list[float]], list[float] | None, str | None]:
+    """Calibrates `model` in the way its swap needs; returns the scales, the refit errors, the source's stream RMS
+    (into a normalised stream) and, out of pre-LN, what was done."""
+    if calibrates_stream(source_model.config, target):
+        calibration = calibrate_stream(model, source_model, batches)
+        into = "folded the pre-LN gains into the layers reading them"
+        return calibration.write_scales, {}, calibration.stream_rms, into
+    if calibrates_branches(source_model.config, target):
+        calibration = calibrate_branches(model, source_model, batches)
+        into = "fitted the branch norms' gains" + (
+            ", folded the pre-LN norms into the layers reading the stream" if calibration.stream_rms else ""
+        )
+        return calibration.branch_gains, {}, None, into
+    sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
+    scales, errors = calibrate_writes(model, sublayers, batches, source_model, sources)
+    return scales, errors, None, None
 
 
 def _write_back(model: nn.Module, folder: Path) -> set[str]:

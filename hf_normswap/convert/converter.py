@@ -14,6 +14,7 @@ from ..checkpoint import TOKENIZER_FILES, check_output, copy_companion_files, ou
 from ..gguf import local_checkpoint, shipped_model
 from ..memory import available_memory, peak_memory, release_freed_memory
 from ..model import copy_remote_code
+from .branch_calibration import calibrates_branches
 from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers
 from .norm_mapping import norm_slots
 from .options import ConversionError, ConvertOptions
@@ -246,7 +247,11 @@ def _calibrate(
     sublayers = calibrated_sublayers(
         target=plan.target, norm_sources=plan.norm_sources, source_slots=norm_slots(plan.plain)
     )
-    if not sublayers and not calibrates_stream(plan.plain, plan.target):
+    if (
+        not sublayers
+        and not calibrates_stream(plan.plain, plan.target)
+        and not calibrates_branches(plan.plain, plan.target)
+    ):
         return None, None
     plain_model = load_unswapped_model(plan, low_memory)
     calibration, calibrated = calibrate_checkpoint(

@@ -38,13 +38,20 @@ class StreamCalibration:
     write_scales: dict[str, float]
 
 
-def calibrates_stream(plain: NormSwapConfig, target: NormSwapConfig) -> bool:
-    """Whether the swap from `plain` to `target` is one out of pre-LN into a stream its norms write."""
+def pre_ln_source(plain: NormSwapConfig) -> bool:
+    """Whether `plain` is pre-LN throughout: a norm before each sublayer, a final norm, none after the embeddings."""
     return (
         set(plain.layer_norm_placements) == {"pre"}
         and plain.final_norm
         and plain.first_attention_input_norm
         and not plain.embedding_norm
+    )
+
+
+def calibrates_stream(plain: NormSwapConfig, target: NormSwapConfig) -> bool:
+    """Whether the swap from `plain` to `target` is one out of pre-LN into a stream its norms write."""
+    return (
+        pre_ln_source(plain)
         and set(target.layer_norm_placements) <= set(NORMALISED_STREAM_PLACEMENTS)
         and plain.norm_type == target.norm_type != "dyt"
         and target.embedding_norm
@@ -61,7 +68,7 @@ def _foldable(plain: NormSwapConfig, target: NormSwapConfig) -> bool:
     return not (reads_bare and norm_bias) or (plain.attention_bias and plain.mlp_bias)
 
 
-def _sublayers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear], nn.Linear]]:
+def sublayers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear], nn.Linear]]:
     """Per sublayer in forward order: its norms, the linear layers reading its input, and its write."""
     found = []
     for layer in model.base_model.layers:
@@ -76,7 +83,7 @@ def _sublayers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear], nn.Li
 def stream_rms(source: nn.Module, batches: list[dict]) -> list[float]:
     """The median over the real tokens of `batches` of what each of the pre-LN source's reading norms divides by (its
     input's RMS for RMSNorm, its standard deviation for LayerNorm), in forward order, the final norm last."""
-    norms = [norms.input_norm for norms, _, _ in _sublayers(source)] + [source.base_model.norm]
+    norms = [norms.input_norm for norms, _, _ in sublayers(source)] + [source.base_model.norm]
     samples, real = {norm: MedianSample() for norm in norms}, {}
 
     def record(norm, args):
@@ -98,7 +105,7 @@ def stream_rms(source: nn.Module, batches: list[dict]) -> list[float]:
     return [samples[norm].median() for norm in norms]
 
 
-def _fold(norm: nn.Module, readers: list[nn.Linear]) -> None:
+def fold_norm(norm: nn.Module, readers: list[nn.Linear]) -> None:
     """Folds `norm`'s gain and bias into the linear layers that read its output."""
     bias = getattr(norm, "bias", None)
     for reader in readers:
@@ -107,7 +114,7 @@ def _fold(norm: nn.Module, readers: list[nn.Linear]) -> None:
         reader.weight.mul_(norm.weight)
 
 
-def _set_norm(norm: nn.Module, like: nn.Module | None) -> None:
+def set_norm(norm: nn.Module, like: nn.Module | None) -> None:
     """`norm` takes the weights of `like`, or unit gain and no shift."""
     norm.weight.copy_(like.weight if like is not None else torch.ones_like(norm.weight))
     if getattr(norm, "bias", None) is not None:
@@ -120,15 +127,15 @@ def calibrate_stream(model: nn.Module, source: nn.Module, batches: list[dict]) -
     any way) as the module docstring says, with scales from the source's stream on `batches`."""
     rms = stream_rms(source, batches)
     base, scales = model.base_model, {}
-    _set_norm(base.embeddings.norm, None)
-    targets, sources = _sublayers(model), _sublayers(source)
+    set_norm(base.embeddings.norm, None)
+    targets, sources = sublayers(model), sublayers(source)
     for index, ((norms, readers, write), (source_norms, _, _)) in enumerate(zip(targets, sources)):
         load_layer(base, index // 2)
         load_layer(source.base_model, index // 2)
         if isinstance(norms.input_norm, nn.Identity):
-            _fold(source_norms.input_norm, readers)
+            fold_norm(source_norms.input_norm, readers)
         else:
-            _set_norm(norms.input_norm, source_norms.input_norm)
+            set_norm(norms.input_norm, source_norms.input_norm)
         scale = scales[f"layers.{index // 2}.{('attention_norms', 'mlp_norms')[index % 2]}"] = (
             norms.residual_scale / rms[index]
         )
@@ -136,5 +143,5 @@ def calibrate_stream(model: nn.Module, source: nn.Module, batches: list[dict]) -
         if write.bias is not None:
             write.bias.mul_(scale)
         last = index == len(targets) - 1
-        _set_norm(norms.residual_norm, source.base_model.norm if last else None)
+        set_norm(norms.residual_norm, source.base_model.norm if last else None)
     return StreamCalibration(stream_rms=rms, write_scales=scales)

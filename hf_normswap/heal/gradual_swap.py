@@ -41,24 +41,29 @@ class GradualSwap(StreamMix, TrainerCallback):
         self.set_step(state.global_step)
 
 
+def _conversion_calibration(variant: Path) -> dict:
+    return (ConversionRecord.read(variant) or {}).get("calibration") or {}
+
+
 def conversion_stream_rms(variant: Path) -> list[float] | None:
-    """The source's stream RMS that a calibrated conversion out of pre-LN recorded in VARIANT's conversion.json, or
-    None."""
-    calibration = (ConversionRecord.read(variant) or {}).get("calibration") or {}
-    return calibration.get("stream_rms") or None
+    """The source's stream RMS that a calibrated conversion out of pre-LN into a normalised stream recorded in
+    VARIANT's conversion.json, or None."""
+    return _conversion_calibration(variant).get("stream_rms") or None
+
+
+def calibrated_out_of_pre_ln(variant: Path) -> bool:
+    """Whether VARIANT's conversion.json records a calibrated conversion out of pre-LN (where the block-wise fit
+    starts)."""
+    calibration = _conversion_calibration(variant)
+    return bool(calibration.get("out_of_pre_ln") or calibration.get("stream_rms"))
 
 
 def recorded_stream_rms(variant: Path, needed_by: str) -> list[float]:
     """`conversion_stream_rms`, which `needed_by` (an option, as the user set it) needs."""
     stream_rms = conversion_stream_rms(variant)
     if stream_rms is None:
-        raise missing_stream(variant, needed_by)
+        raise HealError(
+            f"{needed_by} needs a calibrated conversion out of pre-LN into post, pre_post or deepnorm; "
+            f"{variant}'s conversion.json records none"
+        )
     return stream_rms
-
-
-def missing_stream(variant: Path, needed_by: str) -> HealError:
-    """The error of `needed_by` on VARIANT, whose conversion.json records no stream RMS."""
-    return HealError(
-        f"{needed_by} needs a calibrated conversion out of pre-LN (post, pre_post or deepnorm); "
-        f"{variant}'s conversion.json records none"
-    )

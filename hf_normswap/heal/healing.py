@@ -37,7 +37,7 @@ from ..sharding import with_sharding_section
 from ..sharding.fsdp import gathered, prepare_frozen, prepare_trained, resumable, sharded, unsharded
 from ..sharding.processes import is_main_process, processes
 from .data import HealTexts, heal_texts
-from .gradual_swap import GradualSwap, conversion_stream_rms, missing_stream, recorded_stream_rms
+from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_stream_rms, recorded_stream_rms
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
 from .models import HealModels, layer_parameters, load_models, memory_settings
 from .options import HealError, HealOptions
@@ -71,9 +71,13 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     if options.swap_schedule != "direct":
         stream_rms = recorded_stream_rms(Path(variant), f"swap_schedule={options.swap_schedule!r}")
     models = load_models(variant, options)
-    options = options.for_head(head_of_config(models.student.config), stream_recorded=stream_rms is not None)
-    if options.reconstruct_steps and stream_rms is None:
-        raise missing_stream(Path(variant), f"reconstruct_steps={options.reconstruct_steps}")
+    out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
+    options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
+    if options.reconstruct_steps and not out_of_pre_ln:
+        raise HealError(
+            f"reconstruct_steps={options.reconstruct_steps} needs a calibrated conversion out of pre-LN; "
+            f"{variant}'s conversion.json records none"
+        )
     if options.sharding.fsdp and options.data == "teacher" and options.sample_count is None:
         raise HealError("data='teacher' with fsdp=True needs sample_count: texts are sampled once, before sharding")
     if options.checkpoint_dir and not resumable(options.sharding):

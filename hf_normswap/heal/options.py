@@ -271,13 +271,13 @@ class HealOptions:
             if value not in (False, "direct"):
                 raise HealError(f"reconstruct_steps is invalid with {name}={value!r}: {reason}")
 
-    def for_head(self, head: str, stream_recorded: bool = False) -> "HealOptions":
+    def for_head(self, head: str, out_of_pre_ln: bool = False) -> "HealOptions":
         """These options with those left open set by `HEAD_DEFAULTS` for a student with `head`, and by
-        `FITTED_DEFAULTS` where a causal LM's conversion out of pre-LN recorded its source's stream
-        (`stream_recorded`); a causal LM's learning rate and steps are left to `scaled`."""
+        `FITTED_DEFAULTS` where a causal LM's conversion was calibrated out of pre-LN (`out_of_pre_ln`); a causal LM's
+        learning rate and steps are left to `scaled`."""
         defaults = dict(HEAD_DEFAULTS["causal-lm" if head == "causal-lm" else "other"])
         if self.reconstruct_steps is None:
-            fits = head == "causal-lm" and stream_recorded and self.swap_schedule == "direct" and not self.lora
+            fits = head == "causal-lm" and out_of_pre_ln and self.swap_schedule == "direct" and not self.lora
             defaults["reconstruct_steps"] = FITTED_DEFAULTS["reconstruct_steps"] if fits else 0
         return replace(self, **{name: value for name, value in defaults.items() if getattr(self, name) is None})
 

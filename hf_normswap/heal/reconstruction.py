@@ -1,7 +1,8 @@
 """Block-wise reconstruction out of pre-LN: before healing, each layer of the student is fitted in turn, on its own
-inputs, to the teacher's stream after that layer as the student's norms would hold it (normalised per token; after
-the last layer, the teacher's final norm), a few optimiser steps a layer on a few hundred texts (compare the block
-reconstruction that recovers quantised LLMs from 128 calibration sequences).
+inputs, to the teacher's stream after that layer as the student's norms would hold it (where its norms write the
+stream, normalised per token, after the last layer the teacher's final norm; where they sit on the branch, as it is),
+each token's error relative to its target's mean square, a few optimiser steps a layer on a few hundred texts (compare
+the block reconstruction that recovers quantised LLMs from 128 calibration sequences).
 
 Post-LN cannot carry each token's stream RMS, which divides the source's writes (`convert.stream_calibration`); a
 layer fitted on the stream it will see learns what of that it can from the token's normalised state. Fitting on the
@@ -17,6 +18,7 @@ from torch import nn
 from transformers import DataCollatorWithPadding
 
 from ..convert.stream_mix import normalised
+from ..model.configuration_normswap import NORM_PLACEMENTS
 from ..model.evaluation_mode import evaluation_mode
 from ..probes.probe_data import on_device
 from .data import TeacherSamples
@@ -50,8 +52,9 @@ def _first_layer_inputs(model: nn.Module, batch: dict) -> tuple[torch.Tensor, di
 
 
 def _error(states: torch.Tensor, target: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """The mean squared difference per feature over the real tokens."""
-    return (states - target)[real].float().pow(2).mean()
+    """The mean squared difference per feature over the real tokens, each relative to the target's mean square."""
+    target = target[real].float()
+    return ((states[real].float() - target).pow(2).mean(-1) / target.pow(2).mean(-1).clamp_min(1e-12)).mean()
 
 
 class _Stream:
@@ -105,11 +108,13 @@ def reconstruct_layers(student: nn.Module, teacher: nn.Module, batches: list[dic
     layers = zip(student.base_model.layers, teacher.base_model.layers, strict=True)
     for index, (layer, source_layer) in enumerate(layers):
         last = index == config.num_hidden_layers - 1
+        writes = "residual_norm" in NORM_PLACEMENTS[config.layer_norm_placements[index]]
         with evaluation_mode(teacher), torch.no_grad():
             targets = []
             for source, stream in zip(sources, inputs):
-                source.states = states = source.through(source_layer)
-                target = teacher.base_model.norm(states) if last else normalised(states, centred, config.norm_eps)
+                source.states = target = source.through(source_layer)
+                if writes:
+                    target = teacher.base_model.norm(target) if last else normalised(target, centred, config.norm_eps)
                 targets.append(target.to(stream.states.device))
         with evaluation_mode(student):
             errors.append(_fit_layer(layer, inputs, targets, steps))
