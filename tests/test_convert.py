@@ -43,6 +43,10 @@ CASES = [
     ("xlm-roberta", "ForTokenClassification", "token-classification"),
     ("xlm-roberta", "ForQuestionAnswering", "question-answering"),
     ("llama", "ForCausalLM", "causal-lm"),
+    ("llama", "Model", "base"),
+    ("gpt2", "LMHeadModel", "causal-lm"),
+    ("gemma2", "ForCausalLM", "causal-lm"),
+    ("olmo2", "ForCausalLM", "causal-lm"),
     ("llama", "ForSequenceClassification", "sequence-classification"),
     ("mistral", "ForCausalLM", "causal-lm"),
     ("qwen2", "ForCausalLM", "causal-lm"),
@@ -68,17 +72,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("model_type, suffix, head", CASES, ids=[f"{t}-{s}" for t, s, _ in CASES])
-def test_conversion_without_swap_is_exact(tmp_path, model_type, suffix, head):
+def test_conversion_without_swap_is_exact_by_default(tmp_path, model_type, suffix, head):
     native = save_source(tmp_path / "source", model_type, suffix)
-    causal = model_type in ("llama", "mistral", "qwen2", "qwen3")
     lines = []
-    report = convert_checkpoint(
-        str(tmp_path / "source"),
-        str(tmp_path / "out"),
-        attention="causal" if causal else "bidirectional",
-        log=lines.append,
-    )
-    assert report["head"] == head
+    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lines.append)
+    assert report["head"] == head and report["exact"], report["head"]
     assert report["measured"]["last_hidden_state_max_abs_diff"] <= 1e-5
     assert report["measured"]["logits_max_abs_diff"] is None or report["measured"]["logits_max_abs_diff"] <= 1e-4
     assert any(line.startswith("verified against") for line in lines)
@@ -124,9 +122,11 @@ def test_unswapped_source_computes_what_the_source_computes(tmp_path, model_type
         load_unswapped(str(tmp_path / "empty"))
 
 
-def test_llama_becomes_bidirectional_but_verifies_in_causal_mode(tmp_path):
+def test_llama_made_bidirectional_verifies_in_causal_mode(tmp_path):
     save_source(tmp_path / "source", "llama", "ForCausalLM")
-    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "out"), attention="bidirectional", log=lambda _: None
+    )
     assert report["measured"]["mode"] == "causal"
     assert report["head"] == "base"
     config = NormSwapConfig.from_pretrained(tmp_path / "out")
@@ -165,7 +165,12 @@ def test_post_to_pre_shift_moves_norms_tensor_by_tensor(tmp_path):
 def test_pre_to_post_shift_is_the_inverse(tmp_path):
     save_source(tmp_path / "source", "llama", "ForCausalLM")
     convert_checkpoint(  # uncalibrated: the norms as the mapping places them
-        str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="post", calibrate=False, log=lambda _: None
+        str(tmp_path / "source"),
+        str(tmp_path / "out"),
+        norm_placement="post",
+        calibrate=False,
+        head="base",
+        log=lambda _: None,
     )
     source, out = tensors(tmp_path / "source"), tensors(tmp_path / "out")
     assert torch.equal(out["embeddings.norm.weight"], source["model.layers.0.input_layernorm.weight"])
@@ -218,7 +223,11 @@ def test_position_swaps_drop_and_initialize_tables(tmp_path):
         assert NormSwapConfig.from_pretrained(tmp_path / position).position_embedding_type == position
     save_source(tmp_path / "llama", "llama", "ForCausalLM")
     report = convert_checkpoint(
-        str(tmp_path / "llama"), str(tmp_path / "absolute"), position_embedding_type="absolute", log=lambda _: None
+        str(tmp_path / "llama"),
+        str(tmp_path / "absolute"),
+        position_embedding_type="absolute",
+        head="base",
+        log=lambda _: None,
     )
     assert report["weights"]["initialized"] == ["embeddings.position_embeddings.weight (normal, std 0.02)"]
     table = tensors(tmp_path / "absolute")["embeddings.position_embeddings.weight"]
@@ -246,13 +255,27 @@ def test_reverse_export_round_trip_is_bit_exact(tmp_path):
     assert config["architectures"] == ["BertForMaskedLM"] and config["model_type"] == "bert"
 
 
+def test_export_refusal_names_the_sources_family_and_the_classes_with_its_placement(tmp_path, capsys):
+    save_source(tmp_path / "source", "llama", "ForCausalLM")
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "post"), norm_placement="post", log=lambda _: None)
+    assert cli(["export-native", str(tmp_path / "post"), str(tmp_path / "back")]) == 1
+    error = capsys.readouterr().err
+    assert (
+        "cannot be written as a native llama model (its source's family): norm_placement='post' (needs pre)" in error
+    )
+    assert error.rstrip().endswith("native classes with this norm_placement: bert, electra, distilbert")
+    no_leftovers(tmp_path, tmp_path / "back")
+
+
 def test_llama_reverse_export_needs_causal_attention(tmp_path, capsys):
     save_source(tmp_path / "source", "llama", "ForCausalLM")
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "bidirectional"), log=lambda _: None)
+    convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "bidirectional"), attention="bidirectional", log=lambda _: None
+    )
     assert cli(["export-native", str(tmp_path / "bidirectional"), str(tmp_path / "back")]) == 1
     assert "is_causal=False (needs True)" in capsys.readouterr().err
     no_leftovers(tmp_path, tmp_path / "back")
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "causal"), attention="causal", log=lambda _: None)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "causal"), log=lambda _: None)  # its own: causal
     config = json.loads((tmp_path / "causal" / "config.json").read_text())
     (tmp_path / "causal" / "config.json").write_text(json.dumps({**config, "use_cache": False}))  # as healed
     assert cli(["export-native", str(tmp_path / "causal"), str(tmp_path / "back")]) == 0
@@ -392,7 +415,7 @@ def test_bad_options_are_refused(tmp_path):
         convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), head="causal-lm", attention="causal")
     save_source(tmp_path / "llama", "llama", "ForCausalLM", tokenizer=False)
     with pytest.raises(ConversionError, match="head='causal-lm' needs attention='causal'"):
-        convert_checkpoint(str(tmp_path / "llama"), str(tmp_path / "out"), head="causal-lm")
+        convert_checkpoint(str(tmp_path / "llama"), str(tmp_path / "out"), head="causal-lm", attention="bidirectional")
     with pytest.raises(ConversionError, match="head='masked-lm' is invalid for a llama-family source"):
         convert_checkpoint(str(tmp_path / "llama"), str(tmp_path / "out"), head="masked-lm")
     with pytest.raises(ValueError, match="norm_mapping='move' is invalid"):

@@ -124,3 +124,11 @@ def test_readme_shows_every_command_and_stays_short():
     shown = {words[1] for words in shell_commands(README) if words[0] == "hf-normswap" and len(words) > 1}
     assert set(COMMANDS) <= shown
     assert len(README.read_text().splitlines()) < 200
+
+
+@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda page: page.name)
+def test_user_docs_table_rows_stay_under_200_characters(page):
+    long = [
+        number for number, line in enumerate(page.read_text().splitlines(), 1) if line[:1] == "|" and len(line) > 200
+    ]
+    assert not long, f"{page.relative_to(ROOT)}: table rows over 200 characters at lines {long}"

@@ -140,7 +140,9 @@ def test_swapped_variants_generate(tmp_path, model_type, placement):
 
 def test_bidirectional_conversion_keeps_windows_and_verifies_causally(tmp_path):
     save_source(tmp_path / "source", "gemma2", "ForCausalLM")
-    report = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), log=lambda _: None)
+    report = convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "out"), attention="bidirectional", log=lambda _: None
+    )
     assert report["head"] == "base" and report["measured"]["mode"] == "causal"
     model = AutoModel.from_pretrained(tmp_path / "out")
     assert model.config.is_causal is False and model.config.sliding_window == 4

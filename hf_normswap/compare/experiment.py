@@ -84,7 +84,7 @@ class Experiment:
     attention: str | None = _option(
         None,
         "the converted variants' attention, bidirectional or causal (a causal LM as a classifier: causal, pooling its "
-        "last token); default: causal for causal-lm, else bidirectional (a NormSwap source: its own)",
+        "last token); default: causal for causal-lm, else the source's own, as convert's",
         choices=ATTENTIONS,
     )
     text_columns: list[str] | None = _option(None, "comma-separated text columns of a task file; default: GLUE's")

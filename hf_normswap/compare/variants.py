@@ -91,7 +91,7 @@ def _converted(model: str, placement, variant: Variant, experiment: Experiment, 
             position_embedding_type=variant.position,
             norm_mapping=experiment.norm_mapping,
             calibrate=experiment.calibrate,
-            attention=experiment.conversion_attention,  # None: bidirectional, or a NormSwap source's own
+            attention=experiment.conversion_attention,  # None: the source's own
             head=head,
             overwrite=True,
             allow_pickle=experiment.allow_pickle,

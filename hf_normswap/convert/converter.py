@@ -121,8 +121,8 @@ def convert_checkpoint(source: str, output: str, *, overwrite: bool = False, log
     """Converts SOURCE (folder, Hub id, GGUF file, or a name of `gguf.SHIPPED_MODELS` such as `smollm2`) to a NormSwap
     checkpoint in OUTPUT and returns the conversion report.
 
-    `options` are the fields of `ConvertOptions`. `attention` defaults to bidirectional, or to the source's own for a
-    NormSwap source. With `calibrate`, a swap that turns norms writing the residual stream into norms reading it has
+    `options` are the fields of `ConvertOptions`. `attention` defaults to the source's own (causal for a causal LM
+    family). With `calibrate`, a swap that turns norms writing the residual stream into norms reading it has
     its sublayers' writes scaled and its output projections refitted against the source (see `convert.calibration`).
     A GGUF file is read as a float32 checkpoint in a temporary folder that lasts the conversion.
     """

@@ -14,7 +14,20 @@ from ..checkpoint import copy_companion_files, output_folder, resolve_source
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
 from .config_fields import GEMMA3_TEXT_FIELDS
-from .families import BERT, DISTILBERT, ELECTRA, GEMMA, GPT2, LLAMA, MODERNBERT, OLMO2, Family, normswap_config
+from .converter import ConversionRecord
+from .families import (
+    BERT,
+    DISTILBERT,
+    ELECTRA,
+    FAMILIES,
+    GEMMA,
+    GPT2,
+    LLAMA,
+    MODERNBERT,
+    OLMO2,
+    Family,
+    normswap_config,
+)
 from .field_table import FieldTable
 from .options import ConversionError
 
@@ -53,36 +66,55 @@ _IGNORED_FIELDS = {
 }
 
 
-def _blockers(config: NormSwapConfig, fields: FieldTable) -> list[str]:
+def _blockers(config: NormSwapConfig, fields: FieldTable) -> tuple[list[str], bool]:
     """The fields of `config` that the native configuration written from it reads back differently (FIELD=VALUE
-    (needs WANTED)), or the native configuration's own refusal."""
+    (needs WANTED)), or the native configuration's own refusal; and whether it refused."""
     try:
         round_trip = normswap_config(fields.native_config(config)).to_dict()
     except (ValueError, TypeError, StrictDataclassError) as error:
-        return [" ".join(str(error).split())]
+        return [" ".join(str(error).split())], True
     ignored = set(_IGNORED_FIELDS)
     if round_trip["position_embedding_type"] != config.position_embedding_type:
         ignored.add("rope_parameters")  # follows from the position scheme, which is named already
-    return [
+    blockers = [
         f"{field}={value!r} (needs {round_trip.get(field)})"
         for field, value in config.to_dict().items()
         if field not in ignored and round_trip.get(field) != value
     ]
+    return blockers, False
 
 
-def native_config(config: NormSwapConfig, head: str) -> tuple[Family, object]:
+def native_config(config: NormSwapConfig, head: str, own: Family | None = None) -> tuple[Family, object]:
     """The family and Transformers configuration that compute what `config` computes, or a ConversionError naming why
-    not (the blocking fields of the closest native architecture)."""
+    not: the blocking fields of the model's `own` family where known (its source's), else of the closest native
+    architecture, and which native families hold its placement where that blocks."""
     candidates = []
     for family, fields in TARGETS:
-        blockers = _blockers(config, fields)
+        blockers, refused = _blockers(config, fields)
         if not blockers and head not in family.heads:
             blockers = [f"head {head!r} (the {family.name} export has {', '.join(family.heads)})"]
-        candidates.append((len(blockers), family, blockers, fields))
-    _, family, blockers, fields = min(candidates, key=lambda candidate: candidate[0])
+        holds_placement = not refused and not any(blocker.startswith("norm_placement=") for blocker in blockers)
+        candidates.append((family, fields, blockers, holds_placement))
+    family, fields, blockers, holds_placement = min(
+        candidates, key=lambda candidate: (candidate[0] is not own, len(candidate[2]))
+    )
     if blockers:
-        raise ConversionError(f"cannot be written as a native {family.name} model: {'; '.join(blockers)}")
+        whose = "its source's family" if family is own else "the closest"
+        message = f"cannot be written as a native {family.name} model ({whose}): {'; '.join(blockers)}"
+        if not holds_placement and family is own:
+            holding = dict.fromkeys(candidate[0].name for candidate in candidates if candidate[3])
+            message += f"; native classes with this norm_placement: {', '.join(holding) or 'none'}"
+        raise ConversionError(message)
     return family, fields.native_config(config)
+
+
+def _own_family(folder: Path) -> Family | None:
+    """The family of the checkpoint the NormSwap model in FOLDER was first converted from, where it records one."""
+    record = ConversionRecord.read(folder)
+    if record is None:
+        return None
+    model_type = ([*record.get("lineage", []), record][0].get("source") or {}).get("model_type")
+    return next((family for family in FAMILIES if model_type in family.model_types and family.fields), None)
 
 
 def export_native(source: str, output: str, *, overwrite: bool = False, log=print) -> dict:
@@ -95,7 +127,7 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     if not isinstance(config, NormSwapConfig):
         raise ConversionError(f"{folder}: not a NormSwap checkpoint (model_type {config.model_type!r})")
     head = head_of_config(config)
-    family, target_config = native_config(config, head)
+    family, target_config = native_config(config, head, _own_family(Path(folder)))
 
     model = HEAD_CLASSES[head].from_pretrained(folder)
     ours = model.state_dict()

@@ -49,7 +49,7 @@ class ConvertOptions:
     )
     attention: str | None = field(
         default=None,
-        metadata={"choices": ATTENTIONS, "help": "default: bidirectional (a NormSwap source: its own)"},
+        metadata={"choices": ATTENTIONS, "help": "default: the source's own (causal for a causal LM family)"},
     )
     head: str = field(default="auto", metadata={"choices": ("auto", *HEAD_CLASSES), "help": "default: the source's"})
     dtype: str | None = field(default=None, metadata={"choices": DTYPES, "help": "default: the source's"})

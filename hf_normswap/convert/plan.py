@@ -41,8 +41,9 @@ def plan_conversion(*, source: str, options: ConvertOptions) -> ConversionPlan:
     source_config, family = _read_config(folder, options.family)
     files = weight_files(folder=folder, allow_pickle=options.allow_pickle)
     attention = options.attention
-    if attention is None:
-        attention = "causal" if family is NORMSWAP and source_config.is_causal else "bidirectional"
+    if attention is None:  # the source's own
+        causal = source_config.is_causal if family is NORMSWAP else family.causal
+        attention = "causal" if causal else "bidirectional"
     # A config without `architectures` is taken as the base model ("BertConfig" -> "BertModel").
     architecture = (source_config.architectures or [type(source_config).__name__.removesuffix("Config") + "Model"])[0]
     head = _head(options.head, family.head_of(architecture), family, attention)

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..model.configuration_normswap import NormSwapConfig
+from ..model.configuration_normswap import NORM_PLACEMENTS, NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
 from .lazy_layers import load_layer
 from .refit import MedianSample
 
 
-NORMALISED_STREAM_PLACEMENTS = ("post", "pre_post", "deepnorm", "admin")
+NORMALISED_STREAM_PLACEMENTS = tuple(name for name, norms in NORM_PLACEMENTS.items() if "residual_norm" in norms)
 
 
 @dataclass
