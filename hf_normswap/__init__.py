@@ -11,17 +11,10 @@ from transformers import AutoConfig
 from .convert import convert_checkpoint
 from .gguf import smollm2_gguf
 from .heal import heal_checkpoint
+from .model import modeling_normswap
 from .model.admin import profile_admin
 from .model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES
-from .model.modeling_normswap import (
-    NormSwapForCausalLM,
-    NormSwapForMaskedLM,
-    NormSwapForQuestionAnswering,
-    NormSwapForSequenceClassification,
-    NormSwapForTokenClassification,
-    NormSwapModel,
-    NormSwapPreTrainedModel,
-)
+from .model.modeling_normswap import *  # noqa: F403 (its __all__: the model classes of the head table)
 from .model.packing import DataCollatorWithPacking
 from .sharding.accelerate_configs import accelerate_config
 
@@ -40,12 +33,6 @@ __all__ = [
     "NormSwapConfig",
     "mix_ln_placement",
     "profile_admin",
-    "NormSwapPreTrainedModel",
-    "NormSwapModel",
-    "NormSwapForMaskedLM",
-    "NormSwapForSequenceClassification",
-    "NormSwapForTokenClassification",
-    "NormSwapForQuestionAnswering",
-    "NormSwapForCausalLM",
     "smollm2_gguf",
+    *modeling_normswap.__all__,
 ]

@@ -273,3 +273,23 @@ def test_tensor_parallel_on_two_cpu_processes_computes_what_one_does(tmp_path):
             assert result["same_greedy_tokens_dynamic"] and result["same_greedy_tokens_static"], name
     assert "model.layers.*.mlp.gate_proj.weight" in results["llama-gqa-qk-norm"]["sharded"]
     assert "lm_head.weight" in results["llama-gqa-qk-norm"]["sharded"]  # untied: sharded over the vocabulary
+
+
+def test_every_head_of_the_head_table_is_registered_exported_and_tagged():
+    import transformers
+
+    import hf_normswap
+    from hf_normswap.model.heads import PIPELINE_TAGS, head_of_architecture
+    from hf_normswap.model.modeling_normswap import AUTO_MAP, HEADS
+
+    assert list(HEADS) == ["base", "masked-lm", "sequence-classification", "token-classification"] + [
+        "question-answering",
+        "causal-lm",
+    ]
+    for head, (model_class, auto_class, pipeline_tag) in HEADS.items():
+        assert getattr(transformers, auto_class)._model_mapping[NormSwapConfig] is model_class
+        assert AUTO_MAP[auto_class] == f"modeling_normswap.{model_class.__name__}"
+        assert (
+            getattr(hf_normswap, model_class.__name__) is model_class and model_class.__name__ in hf_normswap.__all__
+        )
+        assert head_of_architecture(model_class.__name__) == head and PIPELINE_TAGS[head] == pipeline_tag

@@ -8,18 +8,10 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import AutoConfig
 
 from ..convert.converter import ConversionRecord
-from ..model.heads import NATIVE_AUTO_CLASSES, head_of_config
+from ..model.heads import NATIVE_AUTO_CLASSES, PIPELINE_TAGS, head_of_config
 from ..tasks import GLUE_TASKS
 
 
-PIPELINE_TAGS = {
-    "base": "feature-extraction",
-    "masked-lm": "fill-mask",
-    "sequence-classification": "text-classification",
-    "token-classification": "token-classification",
-    "question-answering": "question-answering",
-    "causal-lm": "text-generation",
-}
 TEMPLATE = "normswap_variant.md"
 COMPARISON_PLOTS = ("loss.png", "eval_metric.png", "grad_norm_init.png", "residual_rms.png")
 

@@ -4,29 +4,20 @@ import torch
 import transformers
 from accelerate import init_empty_weights
 
-from .modeling_normswap import AUTO_CLASSES
+from .modeling_normswap import HEADS
 
 
-HEAD_AUTO_CLASSES = {  # each head's name and Auto class
-    "base": "AutoModel",
-    "masked-lm": "AutoModelForMaskedLM",
-    "sequence-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "causal-lm": "AutoModelForCausalLM",
-}
-HEAD_CLASSES = {head: AUTO_CLASSES[auto_class] for head, auto_class in HEAD_AUTO_CLASSES.items()}
+HEAD_CLASSES = {head: model_class for head, (model_class, _, _) in HEADS.items()}
+HEAD_AUTO_CLASSES = {head: auto_class for head, (_, auto_class, _) in HEADS.items()}
 NATIVE_AUTO_CLASSES = {head: getattr(transformers, auto_class) for head, auto_class in HEAD_AUTO_CLASSES.items()}
-_ARCHITECTURE_SUFFIXES = {
-    "ForMaskedLM": "masked-lm",
-    "ForPreTraining": "masked-lm",
-    "ForSequenceClassification": "sequence-classification",
-    "ForTokenClassification": "token-classification",
-    "ForQuestionAnswering": "question-answering",
-    "ForCausalLM": "causal-lm",
-    "LMHeadModel": "causal-lm",
-    "Model": "base",
-}
+PIPELINE_TAGS = {head: pipeline_tag for head, (_, _, pipeline_tag) in HEADS.items()}
+_SOURCE_SUFFIXES = {"ForPreTraining": "masked-lm", "LMHeadModel": "causal-lm"}  # source heads NormSwap names otherwise
+_ARCHITECTURE_SUFFIXES = _SOURCE_SUFFIXES | dict(  # the heads' own suffixes, the base model's ("Model") last
+    sorted(
+        ((model_class.__name__.removeprefix("NormSwap"), head) for head, model_class in HEAD_CLASSES.items()),
+        key=lambda item: item[0] == "Model",
+    )
+)
 
 
 def empty_model(config, head: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

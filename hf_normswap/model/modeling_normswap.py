@@ -421,26 +421,26 @@ class NormSwapForCausalLM(NormSwapPreTrainedModel, GenerationMixin):
         )
 
 
-AUTO_CLASSES = {  # the Auto class of each model class
-    "AutoModel": NormSwapModel,
-    "AutoModelForMaskedLM": NormSwapForMaskedLM,
-    "AutoModelForSequenceClassification": NormSwapForSequenceClassification,
-    "AutoModelForTokenClassification": NormSwapForTokenClassification,
-    "AutoModelForQuestionAnswering": NormSwapForQuestionAnswering,
-    "AutoModelForCausalLM": NormSwapForCausalLM,
+HEADS = {  # each head's name: its model class, Auto class and Hub pipeline tag
+    "base": (NormSwapModel, "AutoModel", "feature-extraction"),
+    "masked-lm": (NormSwapForMaskedLM, "AutoModelForMaskedLM", "fill-mask"),
+    "sequence-classification": (
+        NormSwapForSequenceClassification,
+        "AutoModelForSequenceClassification",
+        "text-classification",
+    ),
+    "token-classification": (
+        NormSwapForTokenClassification,
+        "AutoModelForTokenClassification",
+        "token-classification",
+    ),
+    "question-answering": (NormSwapForQuestionAnswering, "AutoModelForQuestionAnswering", "question-answering"),
+    "causal-lm": (NormSwapForCausalLM, "AutoModelForCausalLM", "text-generation"),
 }
 AUTO_MAP = {"AutoConfig": "configuration_normswap.NormSwapConfig"} | {
-    auto_class: f"modeling_normswap.{model_class.__name__}" for auto_class, model_class in AUTO_CLASSES.items()
+    auto_class: f"modeling_normswap.{model_class.__name__}" for model_class, auto_class, _ in HEADS.values()
 }
-for _auto_class, _model_class in AUTO_CLASSES.items():
+for _model_class, _auto_class, _ in HEADS.values():
     _model_class.register_for_auto_class(_auto_class)
 
-__all__ = [
-    "NormSwapPreTrainedModel",
-    "NormSwapModel",
-    "NormSwapForMaskedLM",
-    "NormSwapForSequenceClassification",
-    "NormSwapForTokenClassification",
-    "NormSwapForQuestionAnswering",
-    "NormSwapForCausalLM",
-]
+__all__ = ["NormSwapPreTrainedModel", *(model_class.__name__ for model_class, _, _ in HEADS.values())]
