@@ -9,7 +9,7 @@ from .model.configuration_normswap import NormSwapConfig, mix_ln_placement  # fi
 from transformers import AutoConfig
 
 from .convert import convert_checkpoint
-from .gguf import smollm2_gguf
+from .convert.gguf import smollm2_gguf
 from .heal import heal_checkpoint
 from .model import modeling_normswap
 from .model.admin import profile_admin

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
-from hf_normswap.gguf import shipped_model
+from hf_normswap.convert.gguf import shipped_model
 from hf_normswap.heal.data import TeacherSamples
 from hf_normswap.heal.options import HealOptions
 from hf_normswap.model.heads import HEAD_CLASSES

@@ -333,7 +333,7 @@ def throughput(args, work: Path) -> None:
     from transformers import LlamaForCausalLM
 
     from hf_normswap import NormSwapForCausalLM, convert_checkpoint, smollm2_gguf
-    from hf_normswap.gguf import local_checkpoint
+    from hf_normswap.convert.gguf import local_checkpoint
 
     source = str(random_smollm2(work / "random") if args.random_weights else smollm2_gguf())
     with local_checkpoint(source) as folder:

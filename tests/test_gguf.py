@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import hf_normswap
-import hf_normswap.gguf
+import hf_normswap.convert.gguf
 from hf_normswap import NormSwapForCausalLM, NormSwapModel, convert_checkpoint
 from hf_normswap.checkpoint import CheckpointError
 from hf_normswap.cli import main as cli
@@ -172,7 +172,7 @@ def test_cli_converts_gguf_without_tokenizer(tmp_path, scratch, capsys):
     write_tiny_gguf(tmp_path / "weights-only.gguf", tokenizer=False)
     assert cli(["convert", str(tmp_path / "weights-only.gguf"), str(tmp_path / "out"), "--no-verify"]) == 0
     assert "(the file holds no tokenizer)" in capsys.readouterr().out
-    assert NormSwapModel.from_pretrained(tmp_path / "out").config.is_causal is False
+    assert NormSwapModel.from_pretrained(tmp_path / "out").config.is_causal is True  # the source's own attention
     assert not (tmp_path / "out" / "tokenizer.json").exists()
     assert os.listdir(scratch) == []
 
@@ -240,7 +240,7 @@ def test_smollm2_gguf(monkeypatch):
 def test_convert_and_heal_take_a_shipped_models_name(tiny_gguf, tmp_path, scratch, monkeypatch, capsys):
     """`convert smollm2` and `heal --teacher smollm2` read the file the demo-llama extra ships (here the tiny one);
     conversion.json names the file."""
-    monkeypatch.setitem(hf_normswap.gguf.SHIPPED_MODELS, "smollm2", lambda: tiny_gguf)
+    monkeypatch.setitem(hf_normswap.convert.gguf.SHIPPED_MODELS, "smollm2", lambda: tiny_gguf)
     output = tmp_path / "out"
     assert cli(["convert", "smollm2", str(output), "--attention", "causal", "--head", "causal-lm"]) == 0
     assert json.loads((output / "conversion.json").read_text())["source"]["id"] == str(tiny_gguf)

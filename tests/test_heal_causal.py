@@ -15,7 +15,6 @@ from hf_normswap.cli import main as cli
 from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
-from hf_normswap.convert.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.heal import HealError, HealOptions, losses, reconstruction
 from hf_normswap.heal.data import TEACHER_STATES, heal_texts, sampled_together, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
@@ -35,6 +34,7 @@ from hf_normswap.probes.next_token import (
     next_token_agreement,
     token_log_probs,
 )
+from hf_normswap.probes.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.probes.swap_effect import swap_batch
 
 from helpers import save_source

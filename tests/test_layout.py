@@ -17,7 +17,6 @@ PACKAGE = Path(hf_normswap.__file__).parent
 LEVELS = {
     "checkpoint": 0,
     "devices": 0,
-    "gguf": 0,
     "memory": 0,
     "tasks": 0,
     "model": 1,

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from ..checkpoint import CheckpointError, read_tensors, weight_files
-from ..gguf import is_gguf, shipped_model, write_gguf_checkpoint
+from ..convert.gguf import is_gguf, shipped_model, write_gguf_checkpoint
 from ..sharding import flat_settings
 from ..sharding.processes import processes, world_size
 from ..tasks import Task, load_task

@@ -4,8 +4,8 @@ size against depth, learning-rate sensitivity, failed runs, per-run configuratio
 import json
 from pathlib import Path
 
-from ..convert.stream_mix import largest_layers
 from ..probes.collapse import COLLAPSE_MARGIN, POOLINGS
+from ..probes.stream_mix import largest_layers
 from ..sharding import flat_settings
 from ..tasks import Task
 from .convergence import convergence_sentence, time_sentence
@@ -305,7 +305,7 @@ def _healing_lines(summary: dict) -> list[str]:
 def _next_token_cells(heal: dict) -> str:
     """A healed causal LM's next-token KL to the source and top-1 agreement with it, before → after (from the
     conversion, through the layers' fit where there was one), its KL by the token's position in the text after
-    (`probes.next_token.POSITION_BINS`), and the layers that lost the most alone before (`convert.stream_mix`)."""
+    (`probes.next_token.POSITION_BINS`), and the layers that lost the most alone before (`probes.stream_mix`)."""
     if not heal.get("next_token"):
         return " | | | |"
     before, after = heal["next_token"]["before"], heal["next_token"]["after"]

@@ -11,11 +11,11 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from ..checkpoint import TOKENIZER_FILES, check_output, copy_companion_files, output_folder
-from ..gguf import local_checkpoint, shipped_model
 from ..memory import available_memory, peak_memory, release_freed_memory
 from ..model import copy_remote_code
 from .branch_calibration import calibrates_branches
 from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers
+from .gguf import local_checkpoint, shipped_model
 from .norm_mapping import norm_slots
 from .options import ConversionError, ConvertOptions
 from .plan import ConversionPlan, plan_conversion

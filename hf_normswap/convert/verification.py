@@ -9,17 +9,17 @@ import torch
 from transformers import AutoConfig
 
 from ..checkpoint import read_tensors, resolve_source, weight_files
-from ..gguf import local_checkpoint
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, empty_model, local_name
 from ..probes.collapse import COLLAPSE_MARGIN, conversion_collapse
+from ..probes.stream_mix import kl_by_layer, largest_layers
 from ..probes.swap_effect import swap_batch, swap_effect
 from .exact_swaps import keeps_last_hidden_state
 from .families import Family, family_of, normswap_config
+from .gguf import local_checkpoint
 from .lazy_layers import assign_weights, folder_loaders, lazy_model, source_loaders
 from .options import ConversionError
 from .plan import ConversionPlan
-from .stream_mix import kl_by_layer, largest_layers
 
 
 HIDDEN_TOLERANCE = 1e-5

@@ -1,5 +1,5 @@
 """A gradual swap out of pre-LN: the student starts computing what its source computes and moves to its own
-placement during healing, its stream points' gates (`convert.stream_mix`) opening over the first half of the steps,
+placement during healing, its stream points' gates (`probes.stream_mix`) opening over the first half of the steps,
 all at once (`gate`) or one layer after another (`layers`); with `taper`, one layer after another too, from the exact
 post-LN rewrite that divides each write by the token's own stream RMS to the median's (`per_token_stream`). Before
 the first step (where the healing measures the student as it starts) the gates are open.
@@ -12,7 +12,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..convert.converter import ConversionRecord
-from ..convert.stream_mix import StreamMix
+from ..probes.stream_mix import StreamMix
 from .options import HealError
 
 

@@ -21,7 +21,6 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import check_output, copy_companion_files, output_folder
 from ..convert.converter import ConversionRecord
-from ..convert.stream_mix import kl_by_layer
 from ..model import copy_remote_code
 from ..model.heads import head_of_config
 from ..probes.collapse import collapse_of_states
@@ -33,6 +32,7 @@ from ..probes.next_token import (
     greedy_prompts,
     next_token_log_probs,
 )
+from ..probes.stream_mix import kl_by_layer
 from ..sharding import with_sharding_section
 from ..sharding.fsdp import gathered, prepare_frozen, prepare_trained, resumable, sharded, unsharded
 from ..sharding.processes import is_main_process, processes

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from ..convert import ConversionError, load_unswapped
 from ..convert.converter import ConversionRecord
 from ..convert.families import normswap_config
-from ..gguf import is_gguf, shipped_model
+from ..convert.gguf import is_gguf, shipped_model
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, empty_model, head_of_config
 from ..model.norms_normswap import NormSwapDyT, NormSwapRMSNorm

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from transformers import DataCollatorWithPadding
 
-from ..convert.stream_mix import normalised
 from ..model.configuration_normswap import NORM_PLACEMENTS
 from ..model.evaluation_mode import evaluation_mode
 from ..probes.probe_data import on_device
+from ..probes.stream_mix import normalised
 from .data import TeacherSamples
 from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..probes.next_token import agreement_with, next_token_log_probs
+from .next_token import agreement_with, next_token_log_probs
 
 
 def normalised(states: torch.Tensor, centred: bool, eps: float | torch.Tensor) -> torch.Tensor:

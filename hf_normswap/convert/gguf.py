@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError
+from ..checkpoint import CheckpointError
 
 
 INSTALL_HINT = 'pip install gguf accelerate, or pip install "hf-normswap[demo-llama]"'
