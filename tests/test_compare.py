@@ -679,3 +679,16 @@ def test_a_width_adds_seeds_by_stein_rule_and_a_rerun_continues(tmp_path, bert_s
     assert sorted({run["seed"] for run in more["runs"]}) == list(range(6)) and first.stat().st_mtime == mtime
     assert more["precision"]["stages"]["first"] == 6
     assert [run["metrics"] for run in more["runs"][:10]] == [run["metrics"] for run in document["runs"]]
+
+
+def test_plot_titles_are_wrapped_inside_the_figure():
+    import matplotlib.pyplot as plt
+
+    from hf_normswap.compare.plots import fit_titles
+
+    figure, axis = plt.subplots(figsize=(3, 2))
+    axis.set(title="Per-seed differences from pre+heal on the development split, every seed (bar: mean)")
+    fit_titles(figure)
+    extent = axis.title.get_window_extent(figure.canvas.get_renderer())
+    assert 0 <= extent.x0 and extent.x1 <= figure.bbox.width and axis.title.get_text().count("\n") >= 1
+    plt.close(figure)

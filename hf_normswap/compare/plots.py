@@ -2,6 +2,7 @@
 reference, the settings search, per-layer gradient norm at initialisation, residual RMS, update size against depth,
 the final metric against the learning rate."""
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -10,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .statistics import task_metrics  # noqa: E402
 
@@ -81,9 +83,25 @@ def write_plots(
         if figure.axes[0].get_legend_handles_labels()[0]:
             figure.axes[0].legend(fontsize=7)
         figure.tight_layout()
+        fit_titles(figure)
         figure.savefig(output / name, dpi=120)
         plt.close(figure)
     return list(figures)
+
+
+def fit_titles(figure) -> None:
+    """Wraps each axis title that reaches past the figure's edges onto more lines, then lays the figure out again."""
+    renderer = figure.canvas.get_renderer()
+    for axis in figure.axes:
+        title, text = axis.title, axis.title.get_text()
+        characters = len(text)
+        while characters > 10:
+            extent = title.get_window_extent(renderer)
+            if extent.x0 >= 0 and extent.x1 <= figure.bbox.width:
+                break
+            characters = int(characters * 0.85)
+            title.set_text(textwrap.fill(text, characters))
+            figure.tight_layout()
 
 
 def _band_figure(grouped: dict[str, list[dict]], key: str, ylabel: str, title: str, **style):
@@ -102,6 +120,7 @@ def _gradient_figure(grouped: dict[str, list[dict]]):
         for part, style in (("attention", "-"), ("ffn", "--")):
             norms = np.array([run["diagnostics"][0][part] for run in runs]).mean(axis=0)
             axis.plot(range(len(norms)), norms, style, color=f"C{index}", marker=".", label=f"{variant} {part}")
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.set(
         xlabel="layer",
         ylabel="gradient norm at initialisation",
@@ -119,6 +138,7 @@ def _residual_figure(grouped: dict[str, list[dict]]):
         axis.plot(range(len(start)), start, "--", color=f"C{index}", label=f"{variant}, initialisation")
         ends = [next(r["residual_rms"] for r in reversed(run["diagnostics"]) if "residual_rms" in r) for run in runs]
         axis.plot(range(len(start)), np.array(ends).mean(axis=0), "-", color=f"C{index}", label=f"{variant}, end")
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.set(xlabel="depth (0: embeddings)", ylabel="residual-stream RMS", yscale="log", title="Residual stream RMS")
     return figure
 
