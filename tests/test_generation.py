@@ -126,7 +126,9 @@ def test_generate_command_is_the_pipeline(tmp_path, capsys):
     ]
     assert lines == expected
 
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "encoder"), log=lambda _: None)
+    convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "encoder"), attention="bidirectional", log=lambda _: None
+    )
     assert cli(["generate", str(tmp_path / "encoder"), "--prompt", "the cat"]) == 1
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "is_causal=True" in error

@@ -29,12 +29,20 @@ def test_the_package_converts_heals_and_compares_with_the_oldest_and_newestrelea
     interpreter = PACKAGE_PYTHONS[RELEASES[0]] if python == "oldest" else sys.executable
     save_source(tmp_path / "source", "llama", "ForCausalLM")
     converted = _package(
-        interpreter, "convert", str(tmp_path / "source"), str(tmp_path / python), "--norm-placement", "pre_post"
+        interpreter,
+        "convert",
+        str(tmp_path / "source"),
+        str(tmp_path / python),
+        "--norm-placement",
+        "pre_post",
+        "--attention",
+        "bidirectional",
     )
     assert converted.returncode == 0, converted.stderr[-3000:]
     config = json.loads((tmp_path / python / "config.json").read_text())
     assert config["transformers_version"] == (RELEASES[0] if python == "oldest" else transformers.__version__)
-    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "here"), norm_placement="pre_post", log=lambda _: None)
+    here = dict(norm_placement="pre_post", attention="bidirectional", log=lambda _: None)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "here"), **here)
     written, expected = tensors(tmp_path / python), tensors(tmp_path / "here")
     assert written.keys() == expected.keys()
     assert max((written[name] - expected[name]).abs().max().item() for name in written) <= 1e-6

@@ -84,7 +84,7 @@ class Experiment:
     attention: str | None = _option(
         None,
         "the converted variants' attention, bidirectional or causal (a causal LM as a classifier: causal, pooling its "
-        "last token); default: causal for causal-lm, else the source's own, as convert's",
+        "last token); default: causal for causal-lm, else bidirectional (a NormSwap source: its own)",
         choices=ATTENTIONS,
     )
     text_columns: list[str] | None = _option(None, "comma-separated text columns of a task file; default: GLUE's")
@@ -285,7 +285,7 @@ class Experiment:
 
     @property
     def conversion_attention(self) -> str | None:
-        """The attention the variants are converted with; None: convert's default."""
+        """The attention the variants are converted with; None: bidirectional, or a NormSwap source's own."""
         return "causal" if self.task_type == "causal-lm" else self.attention
 
     def grid(self, variant: "Variant | str") -> list[dict[str, float]]:
