@@ -21,6 +21,7 @@
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -203,10 +204,17 @@ def conversion(args, work: Path) -> None:
             f"{figure['peak_rss'] / 1e6:8.0f} {above:27.2f}"
         )
     print(CONVERSION_TARGETS)
+    print_memory_records(work)
+
+
+def print_memory_records(work: Path) -> None:
+    """The memory each conversion's record holds (`converter.MemoryRecord`)."""
+    from hf_normswap.convert.converter import ConversionRecord
+
     for folder in ("calibrated", "uncalibrated", "unverified", "low-memory"):
-        record = json.loads((work / folder / "conversion.json").read_text())
-        if "memory" in record:
-            print(f"conversion.json memory record, {folder}: {json.dumps(record['memory'])}")
+        memory = ConversionRecord.read(work / folder).memory
+        if memory is not None:
+            print(f"{ConversionRecord.FILE} memory record, {folder}: {json.dumps(dataclasses.asdict(memory))}")
 
 
 def refit_statistics_bytes(hidden_size: int, intermediate_size: int, **_) -> int:
@@ -240,8 +248,9 @@ def tiny_llama(folder: Path) -> Path:
 
 
 def loss_curve(healed: Path) -> dict[int, float]:
-    history = json.loads((healed / "heal.json").read_text())["log_history"]
-    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+    from hf_normswap.heal.report import HealReport
+
+    return {entry["step"]: entry["loss"] for entry in HealReport.read(healed).log_history if "loss" in entry}
 
 
 def healing(args, work: Path) -> None:

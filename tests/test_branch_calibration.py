@@ -77,16 +77,14 @@ def test_branch_calibration_exact_when_every_token_writes_alike(tmp_path, family
 def test_calibrated_branch_conversion_recorded_and_closer_than_shifted_norms(llama, placement):
     calibrated = ConversionRecord.read(llama / f"{placement}-calibrated")
     shifted = ConversionRecord.read(llama / f"{placement}-shifted")
-    record = calibrated["calibration"]
-    assert shifted["calibration"] is None
-    assert record["out_of_pre_ln"] and record["stream_rms"] is None and record["refit_errors"] == {}
-    assert len(record["write_scales"]) == 4 and all(gain > 0 for gain in record["write_scales"].values())
+    record = calibrated.calibration
+    assert shifted.calibration is None
+    assert record.out_of_pre_ln and record.stream_rms is None and record.refit_errors == {}
+    assert len(record.write_scales) == 4 and all(gain > 0 for gain in record.write_scales.values())
     branch_norms = [f"layers.{i}.{s}.output_norm" for i in range(2) for s in ("attention_norms", "mlp_norms")]
     readers = [f"layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "mlp.gate_proj")]
-    assert set(branch_norms) <= set(record["modules"])
-    assert (
-        set(readers) <= set(record["modules"]) if placement == "output" else not set(readers) & set(record["modules"])
-    )
+    assert set(branch_norms) <= set(record.modules)
+    assert set(readers) <= set(record.modules) if placement == "output" else not set(readers) & set(record.modules)
     source = load_unswapped(str(llama / "llama"), head="causal-lm")
     held_out = probe_batches(
         tokenizer=probe_tokenizer(llama / f"{placement}-calibrated"),

@@ -164,7 +164,7 @@ def test_the_taper_starts_at_the_exact_per_token_rewrite(llama, placement):
 def test_kl_by_layer_swaps_each_layer_alone(llama, placement):
     """conversion.json's swap effect gives, for each layer, the KL with that layer alone in the target placement:
     what the stream mix computes with that layer's two gates open and every other closed (the source's function)."""
-    effect = ConversionRecord.read(llama / placement)["swap_effect"]
+    effect = ConversionRecord.read(llama / placement).verification.swap_effect
     source = load_unswapped(str(llama / "llama"), head="causal-lm")
     model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / placement).eval()
     batch = swap_batch(llama / placement, model.config.vocab_size)
@@ -671,6 +671,7 @@ def test_card_reports_next_token_figures(healed_text):
     effect, after = record["swap_effect"], record["heal"]["next_token"]["after"]
     assert f"top-1 agreement {effect['top1_agreement']:.3f}" in card.text
     assert f"after healing, KL {after['kl']:.3f} nats per token" in card.text
+    assert f"30 steps on sst2-sample ({record['heal']['data']['train_rows']:,} rows)" in card.text
 
 
 def test_a_pushed_healed_variant_gives_its_healed_figures_and_uploads_what_its_card_cites(healed_text, tmp_path):

@@ -67,20 +67,32 @@ def prepare_variant(
     if from_config:
         return _configured(source_config, placement, variant, task, experiment)
     folder = output / "variants" / variant.start_folder
-    return _converted(model, placement, variant, experiment, _head(experiment, source_config), folder)
+    attention = _attention(experiment, source_config)
+    head = _head(experiment, source_config, attention)
+    return _converted(model, placement, variant, experiment, attention, head, folder)
 
 
-def _head(experiment: Experiment, source_config) -> str:
+def _attention(experiment: Experiment, source_config) -> str:
+    """The attention conversions are written with: the experiment's, else bidirectional (a NormSwap source: its
+    own)."""
+    if experiment.conversion_attention is not None:
+        return experiment.conversion_attention
+    return "causal" if isinstance(source_config, NormSwapConfig) and source_config.is_causal else "bidirectional"
+
+
+def _head(experiment: Experiment, source_config, attention: str) -> str:
     """The head conversions write: a causal LM's own under causal attention (healed as a language model; fine-tuning
     loads it as a sequence classifier), else the task's."""
     if experiment.task_type == "causal-lm":
         return "causal-lm"
-    if experiment.conversion_attention == "causal" and head_of_config(source_config) == "causal-lm":
+    if attention == "causal" and head_of_config(source_config) == "causal-lm":
         return "causal-lm"
     return "sequence-classification"
 
 
-def _converted(model: str, placement, variant: Variant, experiment: Experiment, head: str, folder: Path) -> Start:
+def _converted(
+    model: str, placement, variant: Variant, experiment: Experiment, attention: str, head: str, folder: Path
+) -> Start:
     """`model` converted to the variant's placement and position with `head`, once per output folder, as `convert`
     does."""
     if not (folder / ConversionRecord.FILE).exists():
@@ -91,7 +103,7 @@ def _converted(model: str, placement, variant: Variant, experiment: Experiment, 
             position_embedding_type=variant.position,
             norm_mapping=experiment.norm_mapping,
             calibrate=experiment.calibrate,
-            attention=experiment.conversion_attention,  # None: the source's own
+            attention=attention,
             head=head,
             overwrite=True,
             allow_pickle=experiment.allow_pickle,
@@ -142,9 +154,10 @@ def _healed(model: str, variant: Variant, task: Task, experiment: Experiment, ou
             log=None,
             **{"packing": experiment.packing, **(experiment.heal or {}), "sharding": experiment.sharding},
         )
-    record = HealReport.read(folder)
-    summary = {key: record.get(key) for key in HEAL_SUMMARY}  # a heal.json of an older version lacks some
-    summary.update(before=record["before"][-1], after=record["after"][-1], data=record["data"]["name"])
+    report = HealReport.read(folder)
+    recorded = report.to_dict()  # a heal.json of an older version lacks some: None
+    summary = {key: recorded[key] for key in HEAL_SUMMARY}
+    summary.update(before=report.before[-1], after=report.after[-1], data=report.data.name)
     return Start(kind="converted", path=str(folder), heal=summary)
 
 

@@ -3,6 +3,7 @@ plan -> write -> calibrate -> verify -> record (conversion.json)."""
 
 import json
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from importlib.metadata import version
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from transformers import AutoTokenizer
 from ..checkpoint import TOKENIZER_FILES, check_output, copy_companion_files, output_folder
 from ..memory import available_memory, peak_memory, release_freed_memory
 from ..model import copy_remote_code
+from ..records import JsonRecord, from_fields
 from .branch_calibration import calibrates_branches
 from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers
 from .gguf import local_checkpoint, shipped_model
@@ -74,12 +76,13 @@ class MemoryRecord:
 
 
 @dataclass
-class ConversionRecord:
-    """What conversion.json holds: what was converted into what, how, and what verification found."""
+class ConversionRecord(JsonRecord):
+    """What conversion.json holds: what was converted into what, how, and what verification found; after a healing,
+    what the healing did (`heal.report.HealLineage`)."""
 
     hf_normswap_version: str
     source: SourceRecord
-    lineage: list[dict]
+    lineage: list[dict]  # the records of the conversions that made the source, oldest first, without their lineage
     source_config: dict
     target_config: dict
     head: str
@@ -93,28 +96,28 @@ class ConversionRecord:
     tokenizer: TokenizerRecord
     memory: MemoryRecord
     verification: Verification  # its fields sit at the top level of conversion.json
+    heal: dict | None = None  # written last, where a healing made this folder
 
     FILE = "conversion.json"
+    INDENT = 2
+    ERROR = ConversionError
 
     def to_dict(self) -> dict:
         record = asdict(self)
+        heal = record.pop("heal")
         record.update(record.pop("verification"))
-        return record
+        return record | ({"heal": heal} if heal is not None else {})
 
-    @staticmethod
-    def read(folder: str | Path) -> dict | None:
-        """FOLDER's conversion.json as written (`to_dict`, and a healing's `heal`), or None where it has none."""
-        path = Path(folder) / ConversionRecord.FILE
-        if not path.exists():
-            return None
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ConversionError(f"{path}: not valid JSON ({error})") from None
+    @classmethod
+    def from_dict(cls, fields: dict) -> "ConversionRecord":
+        """The record of `to_dict`'s `fields`: Verification's gathered from the top level."""
+        names = [field.name for field in dataclass_fields(Verification)]
+        verification = {name: fields[name] for name in names if name in fields}
+        return from_fields(cls, fields | {"verification": verification})
 
-    @staticmethod
-    def write(folder: Path, record: dict) -> None:
-        (folder / ConversionRecord.FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    def lineage_records(self) -> list["ConversionRecord"]:
+        """The records of `lineage`, typed, oldest first."""
+        return [ConversionRecord.from_dict(entry) for entry in self.lineage or []]
 
 
 def convert_checkpoint(source: str, output: str, *, overwrite: bool = False, log=print, **options) -> dict:
@@ -177,9 +180,9 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
             calibration=calibration,
             verification=verification,
             memory=memory,
-        ).to_dict()
-        ConversionRecord.write(staging, record)
-    return record
+        )
+        record.write(staging)
+    return record.to_dict()
 
 
 def _write(plan: ConversionPlan, staging: Path) -> tuple[WeightsRecord, TokenizerRecord, dict]:
@@ -325,7 +328,11 @@ def _notes(plan: ConversionPlan, weights: WeightsRecord) -> list[str]:
 def _lineage(folder: Path) -> list[dict]:
     """The reports of the steps that made a NormSwap source (`conversion.json` and its own lineage), oldest first."""
     earlier = ConversionRecord.read(folder)
-    return [*earlier.pop("lineage", []), earlier] if earlier is not None else []
+    if earlier is None:
+        return []
+    entry = earlier.to_dict()
+    del entry["lineage"]
+    return [*(earlier.lineage or []), entry]
 
 
 def _source_license(folder: Path) -> str | None:

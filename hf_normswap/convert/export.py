@@ -113,7 +113,8 @@ def _own_family(folder: Path) -> Family | None:
     record = ConversionRecord.read(folder)
     if record is None:
         return None
-    model_type = ([*record.get("lineage", []), record][0].get("source") or {}).get("model_type")
+    source = [*record.lineage_records(), record][0].source
+    model_type = source.model_type if source else None
     return next((family for family in FAMILIES if model_type in family.model_types and family.fields), None)
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ..convert.calibration import CalibrationRecord
 from ..convert.converter import ConversionRecord
 from ..probes.stream_mix import StreamMix
 from .options import HealError
@@ -41,21 +42,23 @@ class GradualSwap(StreamMix, TrainerCallback):
         self.set_step(state.global_step)
 
 
-def _conversion_calibration(variant: Path) -> dict:
-    return (ConversionRecord.read(variant) or {}).get("calibration") or {}
+def _conversion_calibration(variant: Path) -> CalibrationRecord | None:
+    record = ConversionRecord.read(variant)
+    return record.calibration if record else None
 
 
 def conversion_stream_rms(variant: Path) -> list[float] | None:
     """The source's stream RMS that a calibrated conversion out of pre-LN into a normalised stream recorded in
     VARIANT's conversion.json, or None."""
-    return _conversion_calibration(variant).get("stream_rms") or None
+    calibration = _conversion_calibration(variant)
+    return (calibration.stream_rms if calibration else None) or None
 
 
 def calibrated_out_of_pre_ln(variant: Path) -> bool:
     """Whether VARIANT's conversion.json records a calibrated conversion out of pre-LN (where the block-wise fit
     starts)."""
     calibration = _conversion_calibration(variant)
-    return bool(calibration.get("out_of_pre_ln") or calibration.get("stream_rms"))
+    return calibration is not None and bool(calibration.out_of_pre_ln or calibration.stream_rms)
 
 
 def recorded_stream_rms(variant: Path, needed_by: str) -> list[float]:

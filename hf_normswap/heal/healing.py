@@ -390,7 +390,7 @@ def _save(models: HealModels, source: Path, staging: Path, report: HealReport, m
     (without the weights the variant initialises at load), its code, tokenizer and sentence-transformers modules,
     conversion.json (lineage included) with the healing added, heal.json and heal.png; by the main process."""
     conversion = ConversionRecord.read(source)
-    at_load = set(conversion["weights"]["initialized_at_load"]) if conversion else set()
+    at_load = set(conversion.weights.initialized_at_load) if conversion else set()
     student = unsharded(models.healed_student())  # every process joins the gather
     if not main:
         return
@@ -400,7 +400,7 @@ def _save(models: HealModels, source: Path, staging: Path, report: HealReport, m
     copy_remote_code(staging)
     copy_companion_files(source, staging)
     if conversion:
-        conversion["heal"] = report.lineage()
-        ConversionRecord.write(staging, conversion)
+        conversion.heal = asdict(report.lineage())
+        conversion.write(staging)
     report.write(staging)
     plot_history(report, staging / "heal.png")

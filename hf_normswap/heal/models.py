@@ -56,7 +56,7 @@ class HealModels:
     def teacher_is_source(self) -> bool:
         """Whether the teacher is the model the student was converted from (conversion.json's source)."""
         record = ConversionRecord.read(Path(self.student_folder))
-        source = record["source"]["id"] if record else None
+        source = record.source.id if record else None
         return source is not None and _same_model(self.teacher_id, source)
 
 
@@ -129,7 +129,7 @@ def resolve_teacher(variant: Path, teacher: str | None) -> str:
     record = ConversionRecord.read(variant)
     if record is None:
         raise HealError(f"{variant}: no conversion.json naming its source; pass --teacher")
-    return record["source"]["id"]
+    return record.source.id
 
 
 def _load_student(folder: Path, options: HealOptions, empty: bool = False) -> tuple[torch.nn.Module, dict]:

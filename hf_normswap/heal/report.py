@@ -1,22 +1,10 @@
 """What a healing records: heal.json (settings, held-out figures before and after, history) and its plot."""
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..probes.collapse import POOLINGS
-
-
-LINEAGE_KEYS = (
-    "teacher",
-    "data",
-    "objective",
-    "steps",
-    "learning_rate",
-    "seconds",
-    "tokens",
-    "next_token",
-)  # copied into conversion.json
+from ..records import JsonRecord
 
 
 @dataclass
@@ -91,7 +79,24 @@ class Budget:
 
 
 @dataclass
-class HealReport:
+class HealLineage:
+    """A healing as conversion.json records it (its `heal`): the settings, and the final output's figures before and
+    after."""
+
+    teacher: str
+    data: HealData
+    objective: str
+    steps: int
+    learning_rate: float
+    seconds: float
+    tokens: int
+    next_token: NextTokenAgreement | None
+    before: dict
+    after: dict
+
+
+@dataclass
+class HealReport(JsonRecord):
     """heal.json: the settings, the teacher's collapse figures, the student's figures per boundary before and after
     (`measure`), the masked-LM losses where both have the head, the probe's history and the Trainer's log."""
 
@@ -123,20 +128,12 @@ class HealReport:
     budget: Budget | None = None
 
     FILE = "heal.json"
+    INDENT = 1
 
-    @staticmethod
-    def read(folder: str | Path) -> dict | None:
-        """FOLDER's heal.json as written (`write`), or None where it has none."""
-        path = Path(folder) / HealReport.FILE
-        return json.loads(path.read_text()) if path.exists() else None
-
-    def write(self, folder: Path) -> None:
-        (folder / HealReport.FILE).write_text(json.dumps(asdict(self), indent=1) + "\n")
-
-    def lineage(self) -> dict:
-        """The healing as conversion.json records it: the settings, and the final output's figures."""
-        record = asdict(self)
-        return {key: record[key] for key in LINEAGE_KEYS} | {"before": self.before[-1], "after": self.after[-1]}
+    def lineage(self) -> HealLineage:
+        """The healing as conversion.json records it."""
+        settings = {field.name: getattr(self, field.name) for field in fields(HealLineage)}
+        return HealLineage(**settings | {"before": self.before[-1], "after": self.after[-1]})
 
     def summary(self) -> str:
         """One line: the tokens and seconds trained, the token cosine to the teacher and the first-token collapse,

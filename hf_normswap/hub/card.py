@@ -7,8 +7,11 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import AutoConfig
 
-from ..convert.converter import ConversionRecord
+from ..convert.calibration import CalibrationRecord
+from ..convert.converter import ConversionRecord, SourceRecord, SwapRecord
+from ..heal.report import HealData, HealLineage
 from ..model.heads import NATIVE_AUTO_CLASSES, PIPELINE_TAGS, head_of_config
+from ..records import from_fields
 from ..tasks import GLUE_TASKS
 
 
@@ -23,13 +26,13 @@ def template_path() -> Path:
 
 def _card_data(folder: Path, repo_id: str, config, head: str, base_model: str | None, license: str | None, datasets):
     record = folder / ConversionRecord.FILE
-    conversion = ConversionRecord.read(folder) or {}
-    source = conversion.get("source", {})
-    from_hub = source.get("revision") is not None  # a local source has no revision
-    base_model = base_model or (source.get("id") if from_hub else None)
+    conversion = ConversionRecord.read(folder)
+    source = conversion.source if conversion else None
+    from_hub = source is not None and source.revision is not None  # a local source has no revision
+    base_model = base_model or (source.id if from_hub else None)
     if not base_model:
         raise ValueError(f"model card field 'base_model' is missing: {_no_source(record, source)}; pass --base-model")
-    license = license or source.get("license")
+    license = license or (source.license if source else None)
     if not license:
         why = _no_source(record, source, "the source's license") if not conversion else "the source's card gives none"
         raise ValueError(f"model card field 'license' is missing: {why}; pass --license")
@@ -45,13 +48,13 @@ def _card_data(folder: Path, repo_id: str, config, head: str, base_model: str | 
     )
 
 
-def _no_source(record: Path, source: dict, what: str = "the source") -> str:
+def _no_source(record: Path, source: SourceRecord | None, what: str = "the source") -> str:
     """Why `record` (a folder's conversion.json) gives no Hub id for the source: it is missing (a Trainer's output),
     or the source was a local folder."""
     if not record.exists():
         return f"{record.parent} has no conversion.json naming {what}"
-    if source.get("id"):
-        return f"{record} names a local source ({source['id']}), not a Hub id"
+    if source and source.id:
+        return f"{record} names a local source ({source.id}), not a Hub id"
     return f"{record} names no source"
 
 
@@ -65,12 +68,12 @@ def _comparison(folder: Path, variant: str | None) -> tuple[dict | None, str | N
     return (results, name) if name in results["summary"] else (None, None)
 
 
-def _calibration_line(calibration: dict | None) -> str | None:
+def _calibration_line(calibration: CalibrationRecord | None) -> str | None:
     if not calibration:
         return None
-    scales, refitted = calibration["write_scales"].values(), calibration.get("refit_errors") or {}
-    refit = f", {len(refitted)} refitted against the source (ridge {calibration['ridge']:g})" if refitted else ""
-    return f"scaled by {min(scales):.3g} to {max(scales):.3g}{refit}, fitted on {calibration['data']}"
+    scales, refitted = calibration.write_scales.values(), calibration.refit_errors or {}
+    refit = f", {len(refitted)} refitted against the source (ridge {calibration.ridge:g})" if refitted else ""
+    return f"scaled by {min(scales):.3g} to {max(scales):.3g}{refit}, fitted on {calibration.data}"
 
 
 def build_card(
@@ -124,51 +127,58 @@ def _eval_results(results: dict, name: str) -> list[EvalResult]:
     ]
 
 
-def _conversion_fields(conversion: dict) -> dict:
+def _conversion_fields(conversion: ConversionRecord | None) -> dict:
     """The template's fields that come from `conversion.json`: the swap, the calibration, the measurements."""
-    swap = conversion.get("swap", {})
-    measured = conversion.get("measured") or {}
-    logits = measured.get("logits_max_abs_diff")
-    weights = conversion.get("weights", {})
+    swap = conversion and conversion.swap
+    measured = conversion and conversion.verification.measured
+    logits = measured and measured.logits_max_abs_diff
+    weights = conversion and conversion.weights
+    heal = conversion and conversion.heal
     return dict(
-        recorded=bool(conversion),
-        source_placement=(swap.get("norm_placement") or ["not recorded"])[0],
-        source_position=(swap.get("position_embedding_type") or ["not recorded"])[0],
-        source_attention=(swap.get("attention") or ["not recorded"])[0],
-        norm_mapping=conversion.get("norm_mapping", "n/a"),
-        calibration=_calibration_line(conversion.get("calibration")),
+        recorded=conversion is not None,
+        source_placement=_source_side(swap and swap.norm_placement),
+        source_position=_source_side(swap and swap.position_embedding_type),
+        source_attention=_source_side(swap and swap.attention),
+        norm_mapping=(conversion and conversion.norm_mapping) or "n/a",
+        calibration=_calibration_line(conversion and conversion.calibration),
         measured=bool(measured),
-        measured_hidden=f"{measured.get('last_hidden_state_max_abs_diff', 0):.2e}",
+        measured_hidden=f"{measured.last_hidden_state_max_abs_diff if measured else 0:.2e}",
         measured_logits=f"{logits:.2e}" if logits is not None else None,
-        measured_mode=measured.get("mode"),
+        measured_mode=measured.mode if measured else None,
         swapped=_swapped(swap) if swap else False,
-        swap_effect=_swap_effect_line(conversion),
-        healing=_healing_line(conversion.get("heal")),
-        dropped=", ".join(weights.get("dropped", [])),
-        initialized=", ".join(weights.get("initialized", [])),
-        untrained=", ".join(f"`{name}`" for name in weights.get("initialized_at_load", [])),
+        swap_effect=_swap_effect_line(conversion) if conversion else None,
+        healing=_healing_line(from_fields(HealLineage, heal) if heal else None),
+        dropped=", ".join((weights and weights.dropped) or []),
+        initialized=", ".join((weights and weights.initialized) or []),
+        untrained=", ".join(f"`{name}`" for name in (weights and weights.initialized_at_load) or []),
     )
 
 
-def _swapped(swap: dict) -> bool:
+def _source_side(pair: list | None) -> str:
+    """The source's side of a swap's [source, target] pair, or that it is not recorded."""
+    return (pair or ["not recorded"])[0]
+
+
+def _swapped(swap: SwapRecord) -> bool:
     """Whether the conversion changed anything: placement, position scheme, attention or norm type."""
-    return any(isinstance(pair, list) and len(set(map(str, pair))) > 1 for pair in swap.values())
+    pairs = (swap.norm_placement, swap.position_embedding_type, swap.attention, swap.norm_type)
+    return any(isinstance(pair, list) and len(set(map(str, pair))) > 1 for pair in pairs)
 
 
-def _swap_effect_line(conversion: dict) -> str | None:
+def _swap_effect_line(conversion: ConversionRecord) -> str | None:
     """What the swap did to the model, in one sentence; no figure where none means anything: nothing was swapped,
     or the figure went through a head created at random at load (different in the model measured and in every
     load of this one)."""
-    effect, swap = conversion.get("swap_effect"), conversion.get("swap") or {}
+    effect, swap = conversion.verification.swap_effect, conversion.swap
     if not effect or not swap:
         return None
     if not _swapped(swap):
         return "Nothing was swapped: this is the source on NormSwap's classes, so no swap effect is reported."
-    untrained = conversion.get("weights", {}).get("initialized_at_load")
+    untrained = conversion.weights and conversion.weights.initialized_at_load
     if untrained and effect["metric"] != "cosine_similarity":  # a loss through a random head
         return "No swap effect is reported: it could only be measured through the untrained head."
-    healed = " (before healing)" if conversion.get("heal") else ""
-    moved = "kept the model (an exact swap)" if conversion.get("exact") else "moved the model"
+    healed = " (before healing)" if conversion.heal else ""
+    moved = "kept the model (an exact swap)" if conversion.verification.exact else "moved the model"
     if effect["metric"] == "cosine_similarity":  # the last hidden states, against the unswapped model's
         return (
             f"The swap {moved}{healed}: mean cosine similarity of the last hidden states to the unswapped model's "
@@ -184,23 +194,30 @@ def _swap_effect_line(conversion: dict) -> str | None:
     return line + "."
 
 
-def _healing_line(heal: dict | None) -> str | None:
+def _healing_line(heal: HealLineage | None) -> str | None:
     """What healing did, in one sentence: the final output's token cosine to the source before and after, and a
     causal LM's next-token figures after (`heal.json` holds them all)."""
     if not heal:
         return None
     line = (
-        f"Then healed (`hf-normswap heal`, objective {heal['objective']}, {heal['steps']} steps on {heal['data']}): "
-        f"token cosine of the final output to the source {heal['before']['token_cosine']:.4f} before, "
-        f"{heal['after']['token_cosine']:.4f} after"
+        f"Then healed (`hf-normswap heal`, objective {heal.objective}, {heal.steps} steps on "
+        f"{_healing_data(heal.data)}): token cosine of the final output to the source "
+        f"{heal.before['token_cosine']:.4f} before, {heal.after['token_cosine']:.4f} after"
     )
-    if heal.get("next_token"):
-        after = heal["next_token"]["after"]
+    if heal.next_token:
+        after = heal.next_token.after
         line += (
             f"; after healing, KL {after['kl']:.3f} nats per token, top-1 agreement {after['top1_agreement']:.3f}, "
             f"greedy agreement {after['greedy_agreement']:.3f}"
         )
     return line + " (`heal.json`, `heal.png`)."
+
+
+def _healing_data(data: HealData) -> str:
+    """The text a healing trained on, in words: its name and rows, or the teacher's samples."""
+    if data.sampling is not None:
+        return "text sampled from the teacher"
+    return f"{data.name} ({data.train_rows:,} rows)" if data.train_rows is not None else data.name
 
 
 def _comparison_intro(results: dict, name: str) -> str:

@@ -10,6 +10,8 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
 from ..checkpoint import companion_files, output_folder, weight_files
+from ..convert.converter import ConversionRecord
+from ..heal.report import HealReport
 from ..model import REMOTE_CODE_FILES
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import NATIVE_AUTO_CLASSES
@@ -41,7 +43,7 @@ def prepare_upload(folder: str | Path, repo_id: str, destination: Path, **card_o
     card, plots = build_card(folder, repo_id, **card_options)
     files = [path.name for path in weight_files(folder)]
     files += ["config.json", *REMOTE_CODE_FILES]
-    extras = (SAFE_WEIGHTS_INDEX_NAME, "conversion.json", "heal.json", "heal.png", "generation_config.json")
+    extras = (SAFE_WEIGHTS_INDEX_NAME, ConversionRecord.FILE, HealReport.FILE, "heal.png", "generation_config.json")
     files += [name for name in extras if (folder / name).exists()]
     files += companion_files(folder)  # tokenizer, sentence-transformers modules (some in module folders)
     for name in files:
