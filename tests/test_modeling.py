@@ -158,6 +158,7 @@ def test_placement_formulas_by_hand():
             "output": lambda x, f, n: x + n.output_norm(f(x)),
             "lns": lambda x, f, n: x + f(n.input_norm(x) / 2**0.5),
             "admin": lambda x, f, n: n.residual_norm(n.residual_weight * x + f(x)),
+            "none": lambda x, f, n: x + f(x),
         }[placement]
         with torch.no_grad():
             reference = expected(expected(x, attn, a), layer.mlp, m)

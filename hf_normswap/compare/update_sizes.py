@@ -50,7 +50,7 @@ def _at_depth(start: Start, variant: Variant, depth: int) -> Start:
     """`start`'s configuration with `depth` layers (Mix-LN's placement and layer types derived again for it)."""
     config = {**start.config, "num_hidden_layers": depth, "layer_types": None}
     if variant.placement == "mix_ln":
-        config.update(norm_placement=mix_ln_placement(depth), embedding_norm=None, final_norm=None)
+        config.update(norm_placement=mix_ln_placement(depth), embedding_norm=None, final_norm=None, final_scale=None)
     return Start(kind="config", config=config)
 
 

@@ -123,7 +123,7 @@ def _configured(source: NormSwapConfig, placement, variant: Variant, task: Task,
     """A configuration with the variant's placement, position, initializer and attention, and the task's head."""
     fields = source.to_dict()
     if placement:
-        fields.update(norm_placement=placement, embedding_norm=None, final_norm=None)
+        fields.update(norm_placement=placement, embedding_norm=None, final_norm=None, final_scale=None)
     if variant.position:
         fields.update(position_embedding_type=variant.position)
     if variant.initializer:

@@ -10,6 +10,9 @@ the next reading norm sees it). The target runs on its own stream, so each fit r
 The output placement has no input norm: its sublayers read the stream itself. The source's input norm at point s is
 folded into the linear layers reading it, divided by the source's median stream RMS r_s there (LayerNorm's centring
 too, as the readers' weights less their means over the inputs): exact for the tokens whose stream RMS is r_s.
+
+Norm-free (`none`) folds every input norm so, and the final norm becomes a fixed per-feature scale: its gain over the
+source's median RMS before it (and its bias), the head left as it is, tied or not.
 """
 
 from dataclasses import dataclass
@@ -26,25 +29,31 @@ from .stream_calibration import fold_norm, pre_ln_source, set_norm, stream_rms, 
 
 @dataclass
 class BranchCalibration:
-    """The median gain each fitted branch norm took, and the source's median stream RMS that the output placement's
-    folded readers divide by (None where no sublayer reads the stream unnormalised)."""
+    """The median gain each fitted branch norm took, and the source's median stream RMS that the folded readers and a
+    fixed final scale divide by (None where no sublayer reads the stream unnormalised and a final norm reads it)."""
 
     branch_gains: dict[str, float]
     stream_rms: list[float] | None
 
 
+def removes_norms(config: NormSwapConfig) -> bool:
+    """Whether `config` places no norm on the stream (`none` in every layer, no final norm)."""
+    return set(config.layer_norm_placements) == {"none"} and not config.final_norm
+
+
 def calibrates_branches(plain: NormSwapConfig, target: NormSwapConfig) -> bool:
-    """Whether the swap from `plain` to `target` is one out of pre-LN into norms on the branch of its sublayers."""
+    """Whether the swap from `plain` to `target` is one out of pre-LN into norms on the branch of its sublayers, or
+    into none."""
     placements = set(target.layer_norm_placements)
-    reads_bare = "output" in placements
+    reads_bare = bool(placements & {"output", "none"})
     norm_bias = plain.norm_type == "layernorm" and plain.norm_bias
     return (
         pre_ln_source(plain)
-        and bool(placements & {"sandwich", "output"})
+        and bool(placements & {"sandwich", "output", "none"})
         and all("residual_norm" not in NORM_PLACEMENTS[placement] for placement in placements)
         and "lns" not in placements
         and plain.norm_type == target.norm_type != "dyt"
-        and target.final_norm
+        and (target.final_norm or target.final_scale)
         and not target.embedding_norm
         and not (reads_bare and norm_bias and not (plain.attention_bias and plain.mlp_bias))
     )
@@ -132,7 +141,7 @@ def calibrate_branches(model: nn.Module, source: nn.Module, batches: list[dict])
     stream unnormalised, its readers, as the module docstring says, point after point on `batches`."""
     base = model.base_model
     bare = any(isinstance(norms.input_norm, nn.Identity) for norms, _, _ in sublayers(model))
-    rms = stream_rms(source, batches) if bare else None
+    rms = stream_rms(source, batches) if bare or model.config.final_scale else None
     written, reference, gains = LayerStream(base, batches), LayerStream(source.base_model, batches), {}
     targets, sources = sublayers(model), sublayers(source)
     try:
@@ -155,4 +164,6 @@ def calibrate_branches(model: nn.Module, source: nn.Module, batches: list[dict])
         written.close()
         reference.close()
     set_norm(base.norm, source.base_model.norm)
+    if model.config.final_scale:
+        base.norm.weight.div_(rms[-1])
     return BranchCalibration(branch_gains=gains, stream_rms=rms)

@@ -25,8 +25,8 @@ from ..checkpoint import update_tensors
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
 from ..model.heads import HEAD_CLASSES
-from ..probes.probe_data import probe_batches, probe_tokenizer
-from .branch_calibration import calibrate_branches, calibrates_branches
+from ..probes.probe_data import probe_batches, probe_tokenizer, sampled_batches
+from .branch_calibration import calibrate_branches, calibrates_branches, removes_norms
 from .layer_stream import LayerStream
 from .lazy_layers import folder_loaders, lazy_of, load_layer
 from .norm_mapping import NormSlot, norm_slots
@@ -50,6 +50,7 @@ class CalibrationRecord:
     modules: list[str]
     stream_rms: list[float] | None = None  # into a normalised stream: the source's median stream RMS at its norms
     out_of_pre_ln: bool = False  # the source pre-LN: the block-wise fit of `heal` can start from it
+    removed_norm_rms: list[float] | None = None  # norm-free: what each removed norm divided by (the config's too)
 
 
 def calibrate_checkpoint(
@@ -73,25 +74,18 @@ def calibrate_checkpoint(
     what was done and the names of the tensors it changed."""
     if model is None:
         model = HEAD_CLASSES[head].from_pretrained(folder, dtype=torch.float32)
-    tokenizer = probe_tokenizer(folder)
-    batches = probe_batches(
-        tokenizer=tokenizer, vocab_size=model.config.vocab_size, size=size, batch_size=batch_size, split="train"
-    )
+    batches, data = _calibration_data(model, source_model, probe_tokenizer(folder), size, batch_size)
     scales, errors, stream_rms, into = _calibrate_model(model, source_model, target, norm_sources, sublayers, batches)
     modules = list(sublayers.values())
-    changed = _write_back(model, folder)
+    changed = write_back(model, folder)
     if into is not None:
         prefix = "" if model.base_model is model else f"{model.base_model_prefix}."
         ordered = [name for name in model.state_dict() if name in changed]  # forward order
         modules = list(dict.fromkeys(name.removeprefix(prefix).rsplit(".", 1)[0] for name in ordered))
-    data = f"{size} random token sequences"
-    if tokenizer:
-        data = f"the {size} sentences of the shipped SST-2 training sample" + (
-            f" (its {CALIBRATION_SIZE}, repeated)" if size > CALIBRATION_SIZE else ""
-        )
+    done = f"calibrated the writes of {len(scales)} sublayers" if scales else "calibrated"
     log(
-        f"calibrated the writes of {len(scales)} sublayers on {data} "
-        f"(scales {min(scales.values()):.3g} to {max(scales.values()):.3g})"
+        f"{done} on {data}"
+        + (f" (scales {min(scales.values()):.3g} to {max(scales.values()):.3g})" if scales else "")
         + (f", refitted {len(errors)} of them" if errors else "")
         + (f", {into}" if into else "")
     )
@@ -103,15 +97,34 @@ def calibrate_checkpoint(
         modules=modules,
         stream_rms=stream_rms,
         out_of_pre_ln=into is not None,
+        removed_norm_rms=target.removed_norm_rms,
     )
     return record, changed
+
+
+def _calibration_data(model: nn.Module, source_model: nn.Module, tokenizer, size: int, batch_size: int):
+    """The batches to calibrate on, and what they are: `size` sentences of the training sample (random tokens without
+    a tokenizer) or, for a norm-free causal LM, texts sampled from the source, whose stream RMS at each point is that
+    of long texts, not of the first tokens of short sentences."""
+    if removes_norms(model.config) and model.config.is_causal and hasattr(model, "lm_head") and not lazy_of(model):
+        batches = sampled_batches(source_model, tokenizer)
+        texts, length = batches[0]["input_ids"].shape
+        return batches, f"{texts} texts of {length} tokens sampled from the source"
+    batches = probe_batches(
+        tokenizer=tokenizer, vocab_size=model.config.vocab_size, size=size, batch_size=batch_size, split="train"
+    )
+    if tokenizer is None:
+        return batches, f"{size} random token sequences"
+    repeated = f" (its {CALIBRATION_SIZE}, repeated)" if size > CALIBRATION_SIZE else ""
+    return batches, f"the {size} sentences of the shipped SST-2 training sample{repeated}"
 
 
 def _calibrate_model(
     model: nn.Module, source_model: nn.Module, target: NormSwapConfig, norm_sources, sublayers, batches
 ) -> tuple[dict[str, float], dict[str, list[float]], list[float] | None, str | None]:
     """Calibrates `model` in the way its swap needs; returns the scales, the refit errors, the source's stream RMS
-    (into a normalised stream) and, out of pre-LN, what was done."""
+    (into a normalised stream) and, out of pre-LN, what was done. Norm-free, `target` records what its removed norms
+    divided by (`removed_norm_rms`)."""
     if calibrates_stream(source_model.config, target):
         calibration = calibrate_stream(model, source_model, batches)
         into = "folded the pre-LN gains into the layers reading them"
@@ -121,13 +134,16 @@ def _calibrate_model(
         into = "fitted the branch norms' gains" + (
             ", folded the pre-LN norms into the layers reading the stream" if calibration.stream_rms else ""
         )
+        if removes_norms(target):
+            target.removed_norm_rms = model.config.removed_norm_rms = calibration.stream_rms
+            into = "folded the pre-LN norms into the layers reading the stream, the final norm into a fixed scale"
         return calibration.branch_gains, {}, None, into
     sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
     scales, errors = calibrate_writes(model, sublayers, batches, source_model, sources)
     return scales, errors, None, None
 
 
-def _write_back(model: nn.Module, folder: Path) -> set[str]:
+def write_back(model: nn.Module, folder: Path) -> set[str]:
     """Writes the tensors of `model` that differ from FOLDER's into its shards; returns their names."""
     lazy = lazy_of(model)
     if lazy is not None:

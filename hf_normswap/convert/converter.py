@@ -14,17 +14,20 @@ from transformers import AutoTokenizer
 from ..checkpoint import TOKENIZER_FILES, check_output, copy_companion_files, output_folder
 from ..memory import available_memory, peak_memory, release_freed_memory
 from ..model import copy_remote_code
+from ..model.heads import HEAD_CLASSES
 from ..records import JsonRecord, from_fields
 from .branch_calibration import calibrates_branches
-from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers
+from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers, write_back
 from .gguf import local_checkpoint, shipped_model
 from .norm_mapping import norm_slots
+from .norm_weight_folding import fold_norm_weights
 from .options import ConversionError, ConvertOptions
 from .plan import ConversionPlan, plan_conversion
 from .stream_calibration import calibrates_stream
 from .verification import (
     Tolerance,
     Verification,
+    load_pretrained,
     load_unswapped_model,
     load_written,
     tolerance,
@@ -150,6 +153,12 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
             release_freed_memory()  # layers are allocated and freed over and over: the heap would keep them
         with peak_memory() as calibrate_peak:
             plain_model, calibration = _calibrate(plan, options, staging, weights, low_memory, log)
+        if calibration is not None and calibration.removed_norm_rms is not None:
+            plan.target.save_pretrained(staging)  # with the constants the norm-free conversion removed
+            target_config = plan.target.to_dict()
+        folded, head_took_final_norm = None, False
+        if options.fold_norm_weights:
+            folded, head_took_final_norm = _fold_norm_weights(plan, staging, weights, log)
         with peak_memory() as verify_peak:
             if options.verify:
                 verification = verify_conversion(
@@ -160,6 +169,7 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
                     log=log,
                     low_memory=low_memory,
                     stream_rms=calibration.stream_rms if calibration else None,
+                    head_took_final_norm=head_took_final_norm,
                 )
             else:
                 verification = Verification()
@@ -180,6 +190,7 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
             calibration=calibration,
             verification=verification,
             memory=memory,
+            folded=folded,
         )
         record.write(staging)
     return record.to_dict()
@@ -271,6 +282,19 @@ def _calibrate(
     return plain_model, calibration
 
 
+def _fold_norm_weights(plan: ConversionPlan, staging: Path, weights: WeightsRecord, log) -> tuple[str, bool]:
+    """Folds the written model's norm gains into the layers reading them (`norm_weight_folding`); returns the note and
+    whether the head took the final norm's."""
+    model = load_pretrained(HEAD_CLASSES[plan.head], staging, low_memory=False)
+    kept = fold_norm_weights(model)
+    weights.mark_calibrated(write_back(model, staging))
+    note = "the norm gains and biases are folded into the linear layers reading them (FlashNorm)" + (
+        f"; {', '.join(kept)} keeps its gain, its head tied to the embeddings or not a causal LM's" if kept else ""
+    )
+    log(note)
+    return note, plan.target.final_norm and not kept
+
+
 def _record(
     plan: ConversionPlan,
     options: ConvertOptions,
@@ -281,6 +305,7 @@ def _record(
     calibration: CalibrationRecord | None,
     verification: Verification,
     memory: MemoryRecord,
+    folded: str | None = None,
 ) -> ConversionRecord:
     plain, target = plan.plain, plan.target
     return ConversionRecord(
@@ -307,7 +332,7 @@ def _record(
         norm_sources=plan.norm_sources,
         calibration=calibration,
         tolerance=tolerance(),
-        notes=_notes(plan, weights),
+        notes=_notes(plan, weights) + ([folded] if folded else []),
         weights=weights,
         tokenizer=tokenizer,
         memory=memory,

@@ -3,7 +3,8 @@ ELECTRA, DistilBERT, ModernBERT), when its configuration allows.
 
 Whether it allows is read off a round trip: each target's native configuration is written from the NormSwap one by
 its `FieldTable` and read back the way `convert` reads sources (`families.normswap_config`); a field that comes back
-different is one the native architecture cannot represent."""
+different is one the native architecture cannot represent. A norm-free model is written with norms that divide by a
+constant (`constant_norms`)."""
 
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from transformers import AutoConfig, BertModel
 from ..checkpoint import copy_companion_files, output_folder, resolve_source
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
+from .branch_calibration import removes_norms
 from .config_fields import GEMMA3_TEXT_FIELDS
+from .constant_norms import constant_norm_config, with_constant_norms
 from .converter import ConversionRecord
 from .families import (
     BERT,
@@ -128,9 +131,13 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     if not isinstance(config, NormSwapConfig):
         raise ConversionError(f"{folder}: not a NormSwap checkpoint (model_type {config.model_type!r})")
     head = head_of_config(config)
-    family, target_config = native_config(config, head, _own_family(Path(folder)))
+    norm_free = removes_norms(config)
+    normed = constant_norm_config(config) if norm_free else config
+    family, target_config = native_config(normed, head, _own_family(Path(folder)))
 
     model = HEAD_CLASSES[head].from_pretrained(folder)
+    if norm_free:
+        model = with_constant_norms(model)
     ours = model.state_dict()
     extra = {"add_pooling_layer": False} if family is BERT and head == "base" else {}
     native = BertModel(target_config, **extra) if extra else NATIVE_AUTO_CLASSES[head].from_config(target_config)
@@ -149,7 +156,10 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     with output_folder(output=output, overwrite=overwrite) as staging:
         native.save_pretrained(staging)
         copy_companion_files(folder=Path(folder), destination=staging)
-    log(f"wrote {type(native).__name__} to {output}")
+    log(
+        f"wrote {type(native).__name__} to {output}"
+        + (f" (norm-free: norms of epsilon {normed.norm_eps:.0f} that divide by a constant)" if norm_free else "")
+    )
     return {"family": family.name, "architecture": type(native).__name__}
 
 

@@ -53,7 +53,7 @@ def norm_slots(config: NormSwapConfig) -> list[NormSlot]:
                     "residual_norm": (index + 1, "write"),
                 }[slot]
                 slots.append(NormSlot(f"{prefix}.{slot}", point, kind, f"sublayer {index}"))
-    if config.final_norm:
+    if config.final_norm or config.final_scale:  # the fixed scale of a norm-free model takes the final norm's weights
         slots.append(NormSlot("model.norm", 2 * config.num_hidden_layers, "read", "final"))
     return slots
 

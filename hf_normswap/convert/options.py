@@ -47,6 +47,13 @@ class ConvertOptions:
             "where norms come to write a stream they only read (pre -> post, pre_post, deepnorm)"
         },
     )
+    fold_norm_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "fold each norm's gain and bias into the linear layers reading it, which then compute the same "
+            "(FlashNorm); refused for a norm that writes the residual stream or whose gain no linear layer reads alone"
+        },
+    )
     attention: str | None = field(
         default=None,
         metadata={"choices": ATTENTIONS, "help": "default: the source's own (causal for a causal LM family)"},

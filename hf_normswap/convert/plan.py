@@ -115,7 +115,7 @@ def _swaps(plain: NormSwapConfig, options: ConvertOptions, attention: str) -> di
     """The target's configuration fields that differ from the source's: the swap the options ask for."""
     swaps = {"is_causal": attention == "causal"}
     if options.norm_placement is not None and options.norm_placement != plain.norm_placement:
-        swaps.update(norm_placement=options.norm_placement, embedding_norm=None, final_norm=None)
+        swaps.update(norm_placement=options.norm_placement, embedding_norm=None, final_norm=None, final_scale=None)
         swaps["first_attention_input_norm"] = True
     if options.position_embedding_type is not None:
         swaps["position_embedding_type"] = options.position_embedding_type

@@ -163,12 +163,14 @@ def verify_conversion(
     log,
     low_memory: bool = False,
     stream_rms: list[float] | None = None,
+    head_took_final_norm: bool = False,
 ) -> Verification:
     """Runs the source, the unswapped conversion (`plain_model`) and the model written in FOLDER on random padded
     inputs. Raises when the unswapped conversion is beyond tolerance; records whether the written model is exact,
     how far it is, the swap's effect and collapse. With `low_memory`, the source's model and the written one hold one
     module's weights at a time (`load_pretrained`). With the source's `stream_rms` (a calibrated conversion out of
-    pre-LN), a causal LM's swap effect also gives the KL with each layer alone swapped (`stream_mix.kl_by_layer`)."""
+    pre-LN), a causal LM's swap effect also gives the KL with each layer alone swapped (`stream_mix.kl_by_layer`).
+    Where the head took the final norm's gain (`head_took_final_norm`), only the logits are compared."""
     plain = plain_model.config
     native = load_pretrained(NATIVE_AUTO_CLASSES[plan.head], plan.folder, low_memory)
     # causal-LM classifiers find the last token by the pad id: the one the batch is padded with
@@ -178,7 +180,7 @@ def verify_conversion(
     del native  # its outputs are all the comparisons need
     measured = _measure_unswapped(source, source_name, plain_model, plan.head, batch, compare_logits, log)
     written = load_pretrained(HEAD_CLASSES[plan.head], folder, low_memory)
-    compare_hidden = keeps_last_hidden_state(kind=plan.exact_swap, head=plan.head)
+    compare_hidden = keeps_last_hidden_state(kind=plan.exact_swap, head=plan.head) and not head_took_final_norm
     swap_distance = _distance(source, written, plan.head, batch, compare_hidden, compare_logits)
     exact = (compare_hidden or compare_logits) and _within_tolerance(swap_distance)
     compared = ", ".join(

@@ -7,9 +7,11 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import AutoConfig
 
+from ..convert.branch_calibration import removes_norms
 from ..convert.calibration import CalibrationRecord
 from ..convert.converter import ConversionRecord, SourceRecord, SwapRecord
 from ..heal.report import HealData, HealLineage
+from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import NATIVE_AUTO_CLASSES, PIPELINE_TAGS, head_of_config
 from ..records import from_fields
 from ..tasks import GLUE_TASKS
@@ -73,6 +75,8 @@ def _calibration_line(calibration: CalibrationRecord | None) -> str | None:
         return None
     scales, refitted = calibration.write_scales.values(), calibration.refit_errors or {}
     refit = f", {len(refitted)} refitted against the source (ridge {calibration.ridge:g})" if refitted else ""
+    if not scales:  # norm-free: the removed norms folded in (`_norm_free_line`)
+        return f"the removed norms folded in, measured on {calibration.data}"
     return f"scaled by {min(scales):.3g} to {max(scales):.3g}{refit}, fitted on {calibration.data}"
 
 
@@ -101,6 +105,7 @@ def build_card(
         position=config.position_embedding_type,
         attention="causal" if config.is_causal else "bidirectional",
         auto_class=NATIVE_AUTO_CLASSES[head].__name__,
+        norm_free=_norm_free_line(config),
         **_conversion_fields(conversion),
         comparison_intro=_comparison_intro(results, name) if results else None,
         comparison_table="\n".join(_comparison_rows(results)) if results else None,
@@ -200,7 +205,7 @@ def _healing_line(heal: HealLineage | None) -> str | None:
     if not heal:
         return None
     line = (
-        f"Then healed (`hf-normswap heal`, objective {heal.objective}, {heal.steps} steps on "
+        f"Then healed (`hf-normswap heal`, objective {heal.objective}, {heal.steps} steps, {heal.tokens:,} tokens of "
         f"{_healing_data(heal.data)}): token cosine of the final output to the source "
         f"{heal.before['token_cosine']:.4f} before, {heal.after['token_cosine']:.4f} after"
     )
@@ -211,6 +216,24 @@ def _healing_line(heal: HealLineage | None) -> str | None:
             f"greedy agreement {after['greedy_agreement']:.3f}"
         )
     return line + " (`heal.json`, `heal.png`)."
+
+
+def _norm_free_line(config) -> str | None:
+    """What a norm-free conversion removed, and how to load the model without remote code."""
+    if not isinstance(config, NormSwapConfig) or not removes_norms(config):
+        return None
+    rms = config.removed_norm_rms
+    divided = (
+        f", each dividing by the source's median stream RMS there ({min(rms):.3g} to {max(rms):.3g})" if rms else ""
+    )
+    kept = " Its query/key norms stay." if config.qk_norm else ""
+    return (
+        f"**Norm-free.** No norm reads or writes the residual stream: the input norms of its "
+        f"{2 * config.num_hidden_layers} sublayers and the final norm were removed{divided}, folded into the weights "
+        f"reading them; a fixed per-feature scale stands where the final norm was.{kept} `hf-normswap export-native` "
+        "writes it as its family's own class (norms of epsilon 2^40 that divide by a constant), which loads without "
+        "remote code."
+    )
 
 
 def _healing_data(data: HealData) -> str:

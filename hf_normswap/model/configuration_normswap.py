@@ -27,6 +27,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 # Which of the three norm slots around a residual sublayer F a placement fills:
 #     x -> residual_norm(omega * x + output_norm(F(input_norm(x) * s)))
 # omega is 1, DeepNorm's constant alpha or Admin's learned vector; s is 1, or 1/sqrt(depth) for LayerNorm Scaling.
+# "none" fills no slot: a norm-free stream, x -> x + F(x).
 NORM_PLACEMENTS = {
     "post": {"residual_norm"},
     "pre": {"input_norm"},
@@ -36,6 +37,7 @@ NORM_PLACEMENTS = {
     "output": {"output_norm"},
     "lns": {"input_norm"},
     "admin": {"residual_norm"},
+    "none": set(),
 }
 INITIALIZERS = ("normal", "xavier")
 NORM_TYPES = ("layernorm", "rmsnorm", "dyt")
@@ -167,9 +169,8 @@ class NormSwapConfig(PreTrainedConfig):
         x = x + N(F(N(x))); `"pre_post"`: x = N(x + F(N(x))); `"deepnorm"`: x = N(a*x + F(x)) with a = (2L)^(1/4);
         `"output"`: x = x + N(F(x)); `"lns"` (LayerNorm Scaling, Sun et al. 2025): x = x + F(N(x) / sqrt(l)) in the
         layer at depth l = 1, 2, ...; `"admin"` (Liu et al. 2020): x = N(w * x + F(x)), w a learned per-feature vector
-        (1 at initialisation; see [`profile_admin`] for its profiled start).
-    norm_type (`str`, defaults to `"layernorm"`):
-        `"layernorm"` (with a bias when `norm_bias`), `"rmsnorm"` or `"dyt"` (Dynamic Tanh, g*tanh(a*x)+b).
+        (1 at initialisation; see [`profile_admin`] for its profiled start); `"none"`: x = x + F(x) (norm-free).
+    norm_type (`str`, defaults to `"layernorm"`): `"layernorm"` (biased if `norm_bias`), `"rmsnorm"` or `"dyt"`.
     initializer (`str`, defaults to `"normal"`):
         How fresh attention and feed-forward weights start: `"normal"` (std `initializer_range`, as BERT) or
         `"xavier"` (Xavier-normal, as Vaswani et al., Xiong et al., Liu et al. and Wang et al.); DeepNorm multiplies
@@ -177,37 +178,33 @@ class NormSwapConfig(PreTrainedConfig):
     embedding_norm / final_norm (`bool`, *optional*):
         Norm after the embeddings / after the last layer. Default: an embedding norm when the first layer normalizes
         the residual stream after the sum (post, pre_post, deepnorm, admin) or when the embeddings are projected, a
-        final norm when the last layer leaves it un-normalized (pre, sandwich, output, lns).
+        final norm when the last layer leaves it un-normalized (pre, sandwich, output, lns); none with `"none"`.
+    final_scale (`bool`, *optional*):
+        A fixed per-feature scale (LayerNorm models: centring and shift too), no norm, in place of the final norm.
+        Default: when the last layer's placement is `"none"`. `removed_norm_rms` records (read by nothing) what the
+        norms a norm-free conversion removed divided by: the source's median stream RMS at each, in forward order.
     first_attention_input_norm (`bool`, defaults to `True`):
-        Whether the first layer's attention has its input norm; ModernBERT leaves it out, its embedding norm already
-        normalizing the stream.
+        Whether the first layer's attention has its input norm (ModernBERT's has not: its embedding norm's output).
     embedding_size (`int`, *optional*):
         Width of the token, token-type and position embeddings (and of the masked-LM head's decoder), projected to
         `hidden_size` after the embedding norm when different, as ELECTRA's. Default: `hidden_size`.
-    position_embedding_type (`str`, defaults to `"absolute"`):
-        `"absolute"` (learned table), `"sinusoidal"`, `"rope"` (see `rope_parameters`), `"alibi"` or `"none"`.
-    position_offset (`int`, defaults to 0):
-        Added to the position ids of absolute and sinusoidal embeddings (RoBERTa starts after its padding index).
+    position_embedding_type (`str`, defaults to `"absolute"`) / position_offset (`int`, defaults to 0):
+        `"absolute"` (learned table), `"sinusoidal"`, `"rope"` (see `rope_parameters`), `"alibi"` or `"none"` / added
+        to the position ids of absolute and sinusoidal embeddings (RoBERTa starts after its padding index).
     rope_parameters (`dict`, *optional*):
-        Transformers' rope parameters: one dict for all layers, or one per layer type
-        (`{"full_attention": {...}, "sliding_attention": {...}}`, as Gemma 3 and ModernBERT). Only RoPE models keep
-        them (defaults filled in); with another `position_embedding_type` they are checked, then dropped (None), so
-        tools reading the config do not take the model for a RoPE one.
+        Transformers' rope parameters: one dict for all layers, or one per layer type (`{"full_attention": {...},
+        "sliding_attention": {...}}`, as Gemma 3 and ModernBERT). Only RoPE models keep them (defaults filled in);
+        with another `position_embedding_type` they are checked, then dropped (None), not to look like RoPE.
     is_causal (`bool`, defaults to `False`):
-        Causal attention instead of bidirectional.
-    use_cache (`bool`, defaults to `True`):
-        Whether a causal model's forward builds and returns its key/value cache (`cache`) when the call
-        does not say; bidirectional models have none.
-    layer_types (`list[str]`, *optional*):
-        One per layer, `"full_attention"` or `"sliding_attention"`; None means all full.
-    sliding_window (`int`, *optional*):
-        The window of `"sliding_attention"` layers, as Transformers' masks read it: causally a token sees itself and
-        the `sliding_window - 1` tokens before it (Mistral, Gemma 2); bidirectionally every token at most
-        `sliding_window` positions away (ModernBERT's `local_attention // 2`).
-    qk_norm (`bool`, defaults to `False`):
-        A norm of `norm_type` on queries and keys, before rope.
-    qk_norm_scope (`str`, defaults to `"head"`):
-        What the q/k norm normalizes: each head (Qwen3, Gemma 3) or the whole projection (OLMo 2).
+        Causal attention instead of bidirectional. `use_cache`: whether a causal model's forward returns its key/value
+        cache (`cache`) when the call does not say.
+    layer_types (`list[str]`, *optional*) / sliding_window (`int`, *optional*):
+        One per layer, `"full_attention"` or `"sliding_attention"` (None: all full) / the sliding window, as masks
+        read it: causally a token sees itself and the `sliding_window - 1` tokens before it (Mistral, Gemma 2);
+        bidirectionally every token at most `sliding_window` positions away (ModernBERT's `local_attention // 2`).
+    qk_norm (`bool`, defaults to `False`) / qk_norm_scope (`str`, defaults to `"head"`):
+        A norm of `norm_type` on queries and keys, before rope, of each head (Qwen3, Gemma 3) or the whole projection
+        (`"projection"`, OLMo 2).
     query_pre_attn_scalar (`float`, *optional*):
         Attention scores are scaled by `query_pre_attn_scalar ** -0.5` instead of `head_dim ** -0.5` (Gemma).
     attn_logit_softcapping / final_logit_softcapping (`float`, *optional*):
@@ -222,15 +219,12 @@ class NormSwapConfig(PreTrainedConfig):
     classifier_activation (`str`, *optional*):
         Activation of the dense layer between pooling and classifier; `None` for no dense layer. Default: `"tanh"`
         with `"cls"` pooling (BERT's pooler), none with `"mean"` and `"last"`.
-    classifier_norm (`bool`, defaults to `False`):
-        A norm after that activation (ModernBERT's head: dense, activation, norm).
-    token_classifier_head (`bool`, defaults to `False`):
-        Token classification and question answering pass every token through that dense layer, activation and norm
-        before the classifier, as ModernBERT does.
-    head_dense_bias (`bool`, defaults to `True`):
-        Bias of the dense layer of the masked-LM head and of the classifier head (ModernBERT's `classifier_bias`).
-    decoder_bias (`bool`, defaults to `True`):
-        Bias of the masked-LM decoder.
+    classifier_norm / token_classifier_head (`bool`, defaults to `False`):
+        A norm after that activation (ModernBERT's head: dense, activation, norm) / token classification and
+        question answering pass every token through that head before the classifier, as ModernBERT does.
+    head_dense_bias / decoder_bias (`bool`, defaults to `True`):
+        Bias of the dense layer of the masked-LM and classifier heads (ModernBERT's `classifier_bias`) / of the
+        masked-LM decoder.
     """
 
     model_type = "normswap"
@@ -257,6 +251,8 @@ class NormSwapConfig(PreTrainedConfig):
     dyt_alpha_init: float = 0.5
     embedding_norm: bool | None = None
     final_norm: bool | None = None
+    final_scale: bool | None = None
+    removed_norm_rms: list[float] | None = None
     first_attention_input_norm: bool = True
     embedding_size: int | None = None
 
@@ -321,8 +317,12 @@ class NormSwapConfig(PreTrainedConfig):
         if self.embedding_norm is None:
             projected = self.embedding_size != self.hidden_size
             self.embedding_norm = projected or "residual_norm" in NORM_PLACEMENTS[placements[0]]
+        last = NORM_PLACEMENTS[placements[-1]]
         if self.final_norm is None:
-            self.final_norm = "residual_norm" not in NORM_PLACEMENTS[placements[-1]]
+            self.final_norm = bool(last) and "residual_norm" not in last and not self.final_scale
+        if self.final_scale is None:
+            self.final_scale = not last and not self.final_norm
+        _require(not (self.final_scale and self.final_norm), "final_scale", True, "it replaces the final norm")
         super().__post_init__(**kwargs)
         self._check_rope()
         if self.position_embedding_type != "rope":  # checked, but nothing reads them

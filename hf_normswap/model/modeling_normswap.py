@@ -35,7 +35,7 @@ from .layers_normswap import (
     NormSwapMaskedLMHead,
     NormSwapPooler,
 )
-from .norms_normswap import NormSwapDyT, ResidualNorms, build_norm
+from .norms_normswap import NormSwapDyT, NormSwapFixedScale, ResidualNorms, build_norm
 from .packed_sequences_normswap import (
     flash_varlen_kwargs,
     mask_padding,
@@ -81,8 +81,9 @@ class NormSwapPreTrainedModel(PreTrainedModel):
             init.ones_(module.residual_weight)
         elif isinstance(module, NormSwapRotaryEmbedding):
             module.reset_frequencies()
-        elif isinstance(module, NormSwapDyT):
-            init.constant_(module.alpha, self.config.dyt_alpha_init)
+        elif isinstance(module, NormSwapDyT | NormSwapFixedScale):
+            if isinstance(module, NormSwapDyT):
+                init.constant_(module.alpha, self.config.dyt_alpha_init)
             init.ones_(module.weight)
             if module.bias is not None:
                 init.zeros_(module.bias)
@@ -106,7 +107,10 @@ class NormSwapModel(NormSwapPreTrainedModel):
         super().__init__(config)
         self.embeddings = NormSwapEmbeddings(config)
         self.layers = nn.ModuleList([NormSwapLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = build_norm(config, size=config.hidden_size) if config.final_norm else nn.Identity()
+        self.norm = nn.Identity()
+        if config.final_norm or config.final_scale:
+            build = build_norm if config.final_norm else NormSwapFixedScale
+            self.norm = build(config, size=config.hidden_size)
         self.rotary_emb = NormSwapRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.gradient_checkpointing = False
         self.post_init()

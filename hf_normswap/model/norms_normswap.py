@@ -45,6 +45,22 @@ def build_norm(config: NormSwapConfig, size: int) -> nn.Module:
     return nn.LayerNorm(size, eps=config.norm_eps, bias=config.norm_bias)
 
 
+class NormSwapFixedScale(nn.Module):
+    """A removed norm's fixed stand-in: weight * x (+ bias), x centred first where the model's norms are LayerNorms."""
+
+    def __init__(self, config: NormSwapConfig, size: int):
+        super().__init__()
+        self.centred = config.norm_type == "layernorm"
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if self.centred and config.norm_bias else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.centred:
+            hidden_states = hidden_states - hidden_states.mean(-1, keepdim=True)
+        hidden_states = self.weight * hidden_states
+        return hidden_states if self.bias is None else hidden_states + self.bias
+
+
 class ResidualNorms(nn.Module):
     """The norms around one residual sublayer F, in the slots its placement fills:
 

@@ -1,0 +1,179 @@
+"""Norm-free variants (`none`): the placement, the conversion out of pre-LN, the export as the family's own class with
+norms that divide by a constant, and norm gains folded into the layers reading them (`--fold-norm-weights`)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_normswap import convert_checkpoint
+from hf_normswap.convert import load_unswapped
+from hf_normswap.convert.branch_calibration import calibrate_branches
+from hf_normswap.convert.constant_norms import CONSTANT_NORM_EPS
+from hf_normswap.convert.converter import ConversionRecord
+from hf_normswap.convert.export import export_native
+from hf_normswap.convert.options import ConversionError
+from hf_normswap.hub.card import build_card
+from hf_normswap.model.heads import HEAD_CLASSES
+from hf_normswap.model.modeling_normswap import NormSwapForCausalLM
+
+from helpers import save_source, tiny_config
+
+
+QUIET = dict(log=lambda line: None)
+HEADS = {"llama": "ForCausalLM", "gpt2": "LMHeadModel"}
+
+
+@pytest.fixture(scope="module")
+def norm_free(tmp_path_factory):
+    """Tiny pre-LN LLaMA (untied head) and GPT-2 (tied, LayerNorm with biases) sources and their norm-free
+    conversions."""
+    folder = tmp_path_factory.mktemp("norm-free")
+    for family, head in HEADS.items():
+        save_source(folder / family, family, head, initializer_range=0.2)
+        convert_checkpoint(str(folder / family), str(folder / f"{family}-none"), norm_placement="none", **QUIET)
+    return folder
+
+
+def _logits(model, input_ids):
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def test_none_placement_has_no_norm_and_a_fixed_final_scale():
+    config = tiny_config(norm_placement="none", is_causal=True)
+    assert (config.embedding_norm, config.final_norm, config.final_scale) == (False, False, True)
+    model = NormSwapForCausalLM(config).eval()
+    names = [name for name, _ in model.named_parameters() if "norm" in name]
+    assert names == ["model.norm.weight", "model.norm.bias"]  # the fixed scale (LayerNorm models: and its shift)
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 2.0)
+        expected = (x - x.mean(-1, keepdim=True)) * model.model.norm.weight + model.model.norm.bias
+        assert torch.allclose(model.model.norm(x), expected, atol=1e-6)
+    with pytest.raises(ValueError, match=r"NormSwapConfig.final_scale=True is invalid: it replaces the final norm"):
+        tiny_config(norm_placement="pre", final_norm=True, final_scale=True)
+
+
+@pytest.mark.parametrize("family", HEADS)
+def test_norm_free_calibration_exact_when_every_token_writes_alike(tmp_path, family):
+    # One token per sequence, all the same: every stream point has one RMS, so the readers that took each removed norm
+    # (its gain, its bias and LayerNorm's centring, over the source's RMS there) and the fixed final scale give the
+    # source's function exactly.
+    save_source(tmp_path / "source", family, HEADS[family], initializer_range=0.2)
+    convert_checkpoint(
+        str(tmp_path / "source"), str(tmp_path / "none"), norm_placement="none", calibrate=False, **QUIET
+    )
+    source = load_unswapped(str(tmp_path / "source"), head="causal-lm")
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "none").eval()
+    batch = {"input_ids": torch.full((3, 1), 11), "attention_mask": torch.ones(3, 1, dtype=torch.long)}
+    expected = _logits(source, batch["input_ids"])
+    assert (_logits(model, batch["input_ids"]) - expected).abs().max() > 0.01 * expected.abs().max()
+    record = calibrate_branches(model, source, [batch])
+    assert record.branch_gains == {} and len(record.stream_rms) == 2 * 2 + 1
+    assert (_logits(model, batch["input_ids"]) - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("family", HEADS)
+def test_norm_free_conversion_records_what_it_removed(norm_free, family):
+    folder = norm_free / f"{family}-none"
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["norm_placement"], config["final_norm"], config["final_scale"]) == ("none", False, True)
+    removed = config["removed_norm_rms"]
+    assert len(removed) == 5 and all(value > 0 for value in removed)
+    record = ConversionRecord.read(folder)
+    assert record.calibration.removed_norm_rms == removed
+    assert record.calibration.data == "16 texts of 64 tokens sampled from the source"  # the tiny sources' 64 positions
+    source = load_unswapped(str(norm_free / family), head="causal-lm")
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(folder)
+    gain = source.model.norm.weight / removed[-1]
+    torch.testing.assert_close(model.model.norm.weight, gain, rtol=1e-6, atol=0)
+    assert not any(".input_norm." in name for name in model.state_dict())
+
+
+@pytest.mark.parametrize("family", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_free_export_is_the_familys_own_class(norm_free, tmp_path, family, dtype):
+    folder = norm_free / f"{family}-none"
+    if dtype != torch.float32:
+        HEAD_CLASSES["causal-lm"].from_pretrained(folder, dtype=dtype).save_pretrained(tmp_path / "variant")
+        folder = tmp_path / "variant"
+    export_native(str(folder), str(tmp_path / "native"), **QUIET)
+    config = json.loads((tmp_path / "native" / "config.json").read_text())
+    assert config["model_type"] == family and "auto_map" not in config
+    native = AutoModelForCausalLM.from_pretrained(tmp_path / "native", dtype=torch.float32)  # no remote code
+    assert type(native).__name__ == f"{family.capitalize() if family == 'llama' else 'GPT2'}{HEADS[family]}"
+    eps = config["rms_norm_eps" if family == "llama" else "layer_norm_epsilon"]
+    assert eps == CONSTANT_NORM_EPS
+    variant = HEAD_CLASSES["causal-lm"].from_pretrained(folder, dtype=torch.float32).eval()
+    input_ids = torch.randint(0, variant.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = _logits(variant, input_ids)
+    # LayerNorm centres what the readers read, which the variant's readers do by their weights' zero means over the
+    # inputs: exact in float32, to bfloat16's rounding (2^-8) once those weights are rounded
+    tolerance = 2**-8 if family == "gpt2" and dtype == torch.bfloat16 else 1e-5
+    assert (_logits(native.eval(), input_ids) - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_norm_free_export_refuses_float16_and_query_key_norms(norm_free, tmp_path):
+    HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / "llama-none", dtype=torch.float16).save_pretrained(
+        tmp_path / "half"
+    )
+    with pytest.raises(ConversionError, match=r"^dtype float16: a norm-free export's norm gains are 1048576"):
+        export_native(str(tmp_path / "half"), str(tmp_path / "out"), **QUIET)
+    assert not (tmp_path / "out").exists()
+    save_source(tmp_path / "qwen3", "qwen3", "ForCausalLM")
+    convert_checkpoint(str(tmp_path / "qwen3"), str(tmp_path / "qwen3-none"), norm_placement="none", **QUIET)
+    with pytest.raises(ConversionError, match=r"^qk_norm=True: the native classes have one norm epsilon"):
+        export_native(str(tmp_path / "qwen3-none"), str(tmp_path / "out"), **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+def test_norm_free_export_refuses_a_model_with_norms_in_some_layers(norm_free, tmp_path):
+    convert_checkpoint(str(norm_free / "llama"), str(tmp_path / "mixed"), norm_placement=["none", "pre"], **QUIET)
+    with pytest.raises(ConversionError, match=r"^cannot be written as a native llama model .*norm_placement="):
+        export_native(str(tmp_path / "mixed"), str(tmp_path / "out"), **QUIET)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen2"])
+def test_fold_norm_weights_computes_the_same(tmp_path, family):
+    save_source(tmp_path / "source", family, HEADS.get(family, "ForCausalLM"), initializer_range=0.2)
+    record = convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "folded"), fold_norm_weights=True, **QUIET)
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "folded").eval()
+    for name, tensor in model.state_dict().items():
+        if "norm" in name and not (name.startswith("model.norm.") and model.config.tie_word_embeddings):
+            torch.testing.assert_close(tensor, torch.full_like(tensor, float(name.endswith("weight"))))
+    source = load_unswapped(str(tmp_path / "source"), head="causal-lm")
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = _logits(source, input_ids)
+    assert (_logits(model, input_ids) - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert record["exact"]
+    kept = "model.norm keeps its gain" in record["notes"][-1]
+    assert kept == model.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize(
+    ("options", "refused"),
+    [
+        (dict(family="qwen3"), "model.layers.0.self_attn.q_norm cannot fold, its gain scales queries and keys"),
+        (dict(norm_placement="post", calibrate=False), "model.embeddings.norm cannot fold, it writes the residual"),
+        (dict(norm_placement="sandwich", calibrate=False), "model.layers.0.attention_norms.output_norm cannot fold"),
+    ],
+)
+def test_fold_norm_weights_refuses_norms_that_cannot_fold(tmp_path, options, refused):
+    family = options.pop("family", "llama")
+    save_source(tmp_path / "source", family, "ForCausalLM")
+    with pytest.raises(ConversionError, match=rf"^fold_norm_weights: {refused}"):
+        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), fold_norm_weights=True, **options, **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+def test_norm_free_card_says_what_was_removed_and_how_to_load_it_natively(norm_free):
+    card, _ = build_card(norm_free / "llama-none", "me/llama-none", base_model="me/llama", license="mit")
+    removed = json.loads((norm_free / "llama-none" / "config.json").read_text())["removed_norm_rms"]
+    assert (
+        "**Norm-free.** No norm reads or writes the residual stream: the input norms of its 4 sublayers and the final "
+        f"norm were removed, each dividing by the source's median stream RMS there ({min(removed):.3g} to "
+        f"{max(removed):.3g})"
+    ) in str(card)
+    assert "`hf-normswap export-native` writes it as its family's own class" in str(card)
