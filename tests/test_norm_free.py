@@ -177,3 +177,29 @@ def test_norm_free_card_says_what_was_removed_and_how_to_load_it_natively(norm_f
         f"{max(removed):.3g})"
     ) in str(card)
     assert "`hf-normswap export-native` writes it as its family's own class" in str(card)
+
+
+@pytest.mark.parametrize(("family", "head"), [("bert", "ForMaskedLM"), ("gemma2", "ForCausalLM")])
+def test_norm_free_refused_from_a_source_whose_norms_write_the_stream(tmp_path, family, head):
+    save_source(tmp_path / "source", family, head)
+    refused = r"^norm_placement: none needs a pre-LN source, .* this one's is '(post|sandwich)'"
+    with pytest.raises(ConversionError, match=refused):
+        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="none", **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", HEADS)
+def test_transformer_lens_reads_the_exported_norm_free_stream(norm_free, tmp_path, family):
+    from transformer_lens.model_bridge import TransformerBridge
+
+    export_native(str(norm_free / f"{family}-none"), str(tmp_path / "native"), **QUIET)
+    bridge = TransformerBridge.boot_transformers(str(tmp_path / "native"), device="cpu")
+    variant = HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / f"{family}-none", attn_implementation="eager")
+    input_ids = torch.randint(0, variant.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits, cache = bridge.run_with_cache(input_ids)
+    with torch.no_grad():
+        expected = variant.eval()(input_ids, output_hidden_states=True)
+    assert (logits - expected.logits).abs().max() <= 1e-5 * expected.logits.abs().max()
+    for layer in range(variant.config.num_hidden_layers):  # the stream itself: no norm between the hooks and it
+        stream = expected.hidden_states[layer]
+        assert (cache[f"blocks.{layer}.hook_resid_pre"] - stream).abs().max() <= 1e-5 * stream.abs().max()

@@ -13,6 +13,7 @@ from .exact_swaps import plan_exact_swap
 from .families import NORMSWAP, Family, family_of, normswap_config
 from .norm_mapping import map_norms
 from .options import ConversionError, ConvertOptions
+from .stream_calibration import pre_ln_source
 
 
 @dataclass
@@ -51,6 +52,7 @@ def plan_conversion(*, source: str, options: ConvertOptions) -> ConversionPlan:
     swaps = _swaps(plain, options, attention)
     target = normswap_config(source_config, **swaps)
     _check_depth_scaling(plain, target)
+    _check_norm_free(plain, target)
     norm_sources = map_norms(source=plain, target=target, mapping=options.norm_mapping)
     exact_swap, exact_fields = plan_exact_swap(plain=plain, target=target, head=head, norm_sources=norm_sources)
     if exact_fields:
@@ -83,6 +85,15 @@ def _check_depth_scaling(plain: NormSwapConfig, target: NormSwapConfig) -> None:
                 f"norm_placement: {before} -> {after} is not supported: LayerNorm Scaling ('lns') converts exactly "
                 f"from and to 'pre' only; convert to 'pre' first, then to {after!r}"
             )
+
+
+def _check_norm_free(plain: NormSwapConfig, target: NormSwapConfig) -> None:
+    """Norm-free layers are reached from pre-LN, whose norms only read the stream: each folds into its readers."""
+    if "none" in target.layer_norm_placements and not pre_ln_source(plain):
+        raise ConversionError(
+            f"norm_placement: none needs a pre-LN source, whose norms only read the residual stream; this one's is "
+            f"{plain.norm_placement!r}" + (" with an embedding norm" if plain.embedding_norm else "")
+        )
 
 
 def _read_config(folder: Path, expected_family: str | None) -> tuple[PreTrainedConfig, Family]:

@@ -1,0 +1,120 @@
+"""Measures a norm-free variant of a pre-LN causal LM (issue 59's targets): converted with `--norm-placement none`,
+healed with `heal`'s defaults, measured on 256 held-out texts of 65 tokens sampled from the source (as
+bench_heal_defaults.py measures post-LN): the KL from the source, top-1 agreement, KL by position, and the
+cross-entropy gap, healed minus source, on those texts. With the KL objective a control healed on the same tokens with
+its norms kept is the source itself (it starts at KL 0, where every gradient is 0), so the gap is Baroni et al.'s.
+Then `export-native` writes it as the family's own class, whose logits on the same texts are compared with the
+variant's (target: within 1e-5 of their largest magnitude).
+
+    python scripts/bench_norm_free.py MODEL [--max-tokens N] [--json F]
+
+MODEL: a folder of a LLaMA-family causal LM (e.g. from scripts/pretrain_small_llama.py), or smollm2. Prints each
+stage's seconds and this CPU's float32 matrix-product rate, by which to scale them.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_normswap import convert_checkpoint
+from hf_normswap.convert import load_unswapped
+from hf_normswap.convert.export import export_native
+from hf_normswap.convert.gguf import shipped_model
+from hf_normswap.model.heads import HEAD_CLASSES
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_heal import _matrix_product_rate  # noqa: E402
+from bench_heal_defaults import heal_once, held_out_texts, measured  # noqa: E402
+
+
+@torch.no_grad()
+def cross_entropy(model: torch.nn.Module, batches: list[dict]) -> float:
+    """The mean next-token cross-entropy of `model` on `batches` (nats per token)."""
+    losses = [model.eval()(**batch, labels=batch["input_ids"]).loss for batch in batches]
+    return torch.stack(losses).mean().item()
+
+
+@torch.no_grad()
+def export_difference(variant: torch.nn.Module, native: torch.nn.Module, batches: list[dict]) -> float:
+    """The largest |logit difference| of `native` from `variant` over `batches`, over the variant's largest |logit|."""
+    difference = largest = 0.0
+    for batch in batches:
+        expected, logits = variant.eval()(**batch).logits, native.eval()(**batch).logits
+        difference, largest = (
+            max(difference, (logits - expected).abs().max().item()),
+            max(largest, expected.abs().max().item()),
+        )
+    return difference / largest
+
+
+def bench(model: str, work: Path, max_tokens: int | None) -> dict:
+    source, seconds = shipped_model(model), {}
+    started = time.perf_counter()
+    converted = work / "converted-none"
+    convert_checkpoint(source, str(converted), norm_placement="none", head="causal-lm", log=lambda line: None)
+    seconds["convert"] = time.perf_counter() - started
+    batches = held_out_texts(source, converted)
+    row = {"converted": measured(source, converted, batches)}
+    row["defaults"] = heal_once(
+        source, converted, work / "healed", batches, **({"max_tokens": max_tokens} if max_tokens else {})
+    )
+    seconds["heal"] = row["defaults"]["seconds"]
+    teacher = load_unswapped(source, head="causal-lm")
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(work / "healed")
+    row["cross_entropy"] = {"source": cross_entropy(teacher, batches), "healed": cross_entropy(student, batches)}
+    row["cross_entropy"]["gap"] = row["cross_entropy"]["healed"] - row["cross_entropy"]["source"]
+    started = time.perf_counter()
+    export_native(str(work / "healed"), str(work / "native"), log=lambda line: None)
+    seconds["export"] = time.perf_counter() - started
+    native = AutoModelForCausalLM.from_pretrained(work / "native", dtype=torch.float32)
+    row["export"] = {
+        "class": type(native).__name__,
+        "relative_difference": export_difference(student, native, batches),
+    }
+    row["seconds"] = seconds
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rate = _matrix_product_rate()
+    print(f"this CPU's float32 matrix products: {rate / 1e9:.0f} GFLOP/s", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        row = bench(args.model, Path(folder), args.max_tokens)
+    converted, healed, entropy, export = row["converted"], row["defaults"], row["cross_entropy"], row["export"]
+    print(f"{args.model} none converted: KL {converted['kl']:.4f}, top-1 {converted['top1']:.3f}")
+    print(
+        f"{args.model} none healed with the defaults: KL {healed['kl']:.4f}, top-1 {healed['top1']:.3f}, "
+        "KL by position "
+        + " / ".join(
+            f"{healed['kl_by_position'].get(key, float('nan')):.3f}" for key in ("0", "1", "2-3", "4-15", "16-63")
+        )
+        + f", {healed['steps']} steps at lr {healed['learning_rate']:.3g}, {healed['tokens']:,} tokens"
+    )
+    print(
+        f"cross-entropy on the held-out texts: source {entropy['source']:.4f}, healed {entropy['healed']:.4f}, "
+        f"gap {entropy['gap']:+.4f} nats/token (Baroni et al.'s GPT-2 small: +0.086 at 157M tokens)"
+    )
+    print(
+        f"export: {export['class']}, logits within {export['relative_difference']:.2e} of their largest (target 1e-5)"
+    )
+    print("seconds: " + ", ".join(f"{stage} {value:.0f}" for stage, value in row["seconds"].items()))
+    rate = max(rate, _matrix_product_rate())
+    print(f"this CPU's float32 matrix products, after: {rate / 1e9:.0f} GFLOP/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gflops": rate / 1e9, "model": args.model, **row}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
