@@ -7,13 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_normswap import convert_checkpoint
+from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.branch_calibration import calibrate_branches
 from hf_normswap.convert.constant_norms import CONSTANT_NORM_EPS
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.export import export_native
 from hf_normswap.convert.options import ConversionError
+from hf_normswap.heal.norm_removal import NormRemoval
+from hf_normswap.heal.options import HealError
 from hf_normswap.hub.card import build_card
 from hf_normswap.model.heads import HEAD_CLASSES
 from hf_normswap.model.modeling_normswap import NormSwapForCausalLM
@@ -203,3 +205,55 @@ def test_transformer_lens_reads_the_exported_norm_free_stream(norm_free, tmp_pat
     for layer in range(variant.config.num_hidden_layers):  # the stream itself: no norm between the hooks and it
         stream = expected.hidden_states[layer]
         assert (cache[f"blocks.{layer}.hook_resid_pre"] - stream).abs().max() <= 1e-5 * stream.abs().max()
+
+
+def test_norm_removal_with_every_norm_kept_is_the_source(norm_free):
+    for family in HEADS:
+        source = load_unswapped(str(norm_free / family), head="causal-lm")
+        model = HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / f"{family}-none").eval()
+        input_ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+        expected, alone = _logits(source, input_ids), _logits(model, input_ids)
+        removal = NormRemoval(model, model.config.removed_norm_rms, "stages", max_steps=12)
+        torch.testing.assert_close(_logits(model, input_ids), alone)  # before the first step: the student
+        removal.set_step(0)
+        assert (_logits(model, input_ids) - expected).abs().max() <= 1e-4 * expected.abs().max()
+        removal.set_step(6)
+        torch.testing.assert_close(_logits(model, input_ids), alone)
+        removal.remove()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "step", "kept"),
+    [
+        ("stages", 1, [1, 0.5] * 2 + [1]),  # the MLPs' norms first
+        ("stages", 3, [0.5, 0] * 2 + [1]),  # then attention's
+        ("stages", 5, [0, 0] * 2 + [0.5]),  # then the final norm
+        ("layers", 1, [0.5] * 2 + [1, 1, 1]),  # layer 0 first, the final norm last
+        ("gate", 3, [0.5] * 5),
+    ],
+)
+def test_norm_removal_schedules(norm_free, schedule, step, kept):
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / "llama-none")
+    removal = NormRemoval(model, model.config.removed_norm_rms, schedule, max_steps=12)
+    removal.set_step(step)
+    torch.testing.assert_close(removal.kept, torch.tensor(kept))
+
+
+def test_heal_removes_the_norms_in_stages(norm_free, tmp_path):
+    options = dict(swap_schedule="stages", max_steps=16, learning_rate=3e-4, stop_patience=0, log=None)
+    report = heal_checkpoint(str(norm_free / "gpt2-none"), str(tmp_path / "healed"), **options)
+    assert report["swap_schedule"] == "stages" and report["steps"] == 16
+    before, after = report["next_token"]["before"]["kl"], report["next_token"]["after"]["kl"]
+    assert after < before
+    healed = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "healed")
+    assert set(healed.config.layer_norm_placements) == {"none"} and healed.config.final_scale
+
+
+def test_stage_schedules_refused_where_they_do_not_apply(norm_free, tmp_path):
+    with pytest.raises(HealError, match=r"^swap_schedule='taper' is invalid for a norm-free student: allowed are"):
+        heal_checkpoint(str(norm_free / "gpt2-none"), str(tmp_path / "a"), swap_schedule="taper", log=None)
+    assert not (tmp_path / "a").exists()
+    convert_checkpoint(str(norm_free / "llama"), str(tmp_path / "post"), norm_placement="post", **QUIET)
+    with pytest.raises(HealError, match=r"^swap_schedule='stages' is for norm-free students"):
+        heal_checkpoint(str(tmp_path / "post"), str(tmp_path / "b"), swap_schedule="stages", max_steps=2, log=None)
+    assert not (tmp_path / "b").exists()

@@ -21,6 +21,8 @@ class GradualSwap(StreamMix, TrainerCallback):
     """The student mixed with its source (`StreamMix`), and the schedule that opens the gates."""
 
     def __init__(self, model: nn.Module, stream_rms: list[float], schedule: str, max_steps: int):
+        if schedule == "stages":
+            raise HealError("swap_schedule='stages' is for norm-free students (norm_placement 'none')")
         try:
             super().__init__(model, stream_rms, per_token_stream=schedule == "taper")
         except ValueError as error:

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ..checkpoint import check_output, copy_companion_files, output_folder
+from ..convert.branch_calibration import removes_norms
 from ..convert.converter import ConversionRecord
 from ..model import copy_remote_code
 from ..model.heads import head_of_config
@@ -40,6 +41,7 @@ from .data import HealTexts, heal_texts
 from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_stream_rms, recorded_stream_rms
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
 from .models import HealModels, layer_parameters, load_models, memory_settings
+from .norm_removal import NormRemoval
 from .options import HealError, HealOptions
 from .reconstruction import RECONSTRUCTION_LEARNING_RATE, reconstruct_layers, reconstruction_batches
 from .report import (
@@ -68,9 +70,9 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     options = HealOptions(**with_sharding_section(options))
     check_output(output, overwrite)
     stream_rms = conversion_stream_rms(Path(variant))
-    if options.swap_schedule != "direct":
-        stream_rms = recorded_stream_rms(Path(variant), f"swap_schedule={options.swap_schedule!r}")
     models = load_models(variant, options)
+    if options.swap_schedule != "direct" and not removes_norms(models.student.config):
+        stream_rms = recorded_stream_rms(Path(variant), f"swap_schedule={options.swap_schedule!r}")
     out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
     options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
     if options.reconstruct_steps and not out_of_pre_ln:
@@ -129,6 +131,18 @@ class _FittedLayers:
     head_figures: Callable[..., dict]
 
 
+
+def _gradual_swap(student, stream_rms: list[float] | None, options: HealOptions) -> GradualSwap | NormRemoval | None:
+    """The callback that moves the student from its source's function to its own, if `swap_schedule` asks for one."""
+    if options.swap_schedule == "direct":
+        return None
+    if not removes_norms(student.config):
+        return GradualSwap(student, stream_rms, options.swap_schedule, options.max_steps)
+    if student.config.removed_norm_rms is None:
+        raise HealError(f"swap_schedule={options.swap_schedule!r} needs the removed_norm_rms a conversion records")
+    return NormRemoval(student, student.config.removed_norm_rms, options.swap_schedule, options.max_steps)
+
+
 def _heal(
     models: HealModels,
     texts: HealTexts,
@@ -146,9 +160,7 @@ def _heal(
     teacher, head_figures = _training_probe(models, texts, tokenizer, options, stream_rms, fit)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
-    stop, swap = _development_stop(models, texts, options), None
-    if options.swap_schedule != "direct":
-        swap = GradualSwap(models.student, stream_rms, options.swap_schedule, options.max_steps)
+    stop, swap = _development_stop(models, texts, options), _gradual_swap(models.student, stream_rms, options)
     callbacks = [probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None]
     log_history, seconds, tokens, resumed, steps = _train(
         models, texts, options, callbacks=[callback for callback in callbacks if callback], work=work, quiet=quiet

@@ -7,7 +7,7 @@ from ..sharding import ShardingOptions, sharding_section
 
 
 OBJECTIVES = ("hidden", "cka", "similarity", "mlm", "kl")
-SWAP_SCHEDULES = ("direct", "gate", "layers", "taper")
+SWAP_SCHEDULES = ("direct", "gate", "layers", "taper", "stages")
 DTYPES = ("float32", "bfloat16")
 RECONSTRUCTION_BATCH_SIZE = 16  # texts a step of the block-wise reconstruction sees
 DEVELOPMENT_TEXTS = 64  # the most development texts: one sampled group on a CPU
@@ -104,7 +104,9 @@ class HealOptions:
             "choices": SWAP_SCHEDULES,
             "help": "out of pre-LN: start from the source's function and move to the target placement over the first "
             "half of the steps, all layers at once (gate), one layer after another (layers), or one layer after "
-            "another from writes divided by each token's own stream RMS to the median's (taper); direct: at once",
+            "another from writes divided by each token's own stream RMS to the median's (taper); norm-free: the "
+            "removed norms leave all at once (gate), a layer at a time (layers), or the MLPs', attention's, then the "
+            "final norm (stages); direct: at once",
         },
     )
     sample_temperature: float = field(default=1.0, metadata={"help": "with --data teacher: the sampling temperature"})

@@ -1,0 +1,75 @@
+"""A norm-free student (`none`) that starts as its pre-LN source and loses its norms during healing (compare Baroni et
+al. 2025, who remove GPT-2's LayerNorms in stages). The conversion folded each removed norm into its readers over the
+source's median stream RMS r there (`removed_norm_rms`); multiplying the readers' input x by r / rms(x) (LayerNorm:
+the RMS of the centred x, epsilon as the source's) gives back the source's per-token division exactly. Each point
+mixes the two by the share k of its norm kept:
+
+    x -> x * (k * r / rms(x) + 1 - k)
+
+k = 1 everywhere is the source, k = 0 the norm-free student. Over the first half of the steps k goes from 1 to 0 at
+every point at once (`gate`), one layer after another, the final norm last (`layers`), or a group at a time: the MLPs'
+norms, then attention's, then the final norm (`stages`, Baroni's order). Before the first step (where the healing
+measures the student as it starts) every k is 0.
+"""
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from .options import HealError
+
+
+NORM_FREE_SCHEDULES = ("gate", "layers", "stages")
+
+
+class NormRemoval(TrainerCallback):
+    """Hooks on a norm-free model's stream readers that give back a share `kept` of each removed norm, in forward
+    order (per layer: attention, MLP; the final norm last), and the schedule that takes it away."""
+
+    def __init__(self, model: nn.Module, removed_rms: list[float], schedule: str, max_steps: int):
+        if schedule not in NORM_FREE_SCHEDULES:
+            raise HealError(
+                f"swap_schedule={schedule!r} is invalid for a norm-free student: allowed are "
+                f"{['direct', *NORM_FREE_SCHEDULES]}"
+            )
+        base = getattr(model, "get_base_model", lambda: model)().base_model  # through a PEFT wrapper
+        points = [norms.input_norm for layer in base.layers for norms in (layer.attention_norms, layer.mlp_norms)]
+        if len(removed_rms) != len(points) + 1:
+            raise HealError("swap_schedule: the recorded removed_norm_rms does not fit the model's layers")
+        self.layers, self.schedule, self.opening_steps = len(base.layers), schedule, max(1, max_steps // 2)
+        self.removed_rms, self.kept = removed_rms, torch.zeros(len(points) + 1)
+        self.centred, self.eps = base.config.norm_type == "layernorm", base.config.norm_eps
+        self.hooks = [
+            point.register_forward_hook(lambda _, args, output, index=index: self._mixed(output, index))
+            for index, point in enumerate(points)
+        ]
+        final = len(points)
+        self.hooks.append(base.norm.register_forward_pre_hook(lambda _, args: (self._mixed(args[0], final),)))
+
+    def _mixed(self, states: torch.Tensor, point: int) -> torch.Tensor:
+        kept = self.kept[point].item()
+        if kept == 0:
+            return states
+        spread = states - states.mean(-1, keepdim=True) if self.centred else states
+        rms = (spread.float().pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+        return states * (kept * self.removed_rms[point] / rms + 1 - kept).to(states.dtype)
+
+    def set_step(self, step: int) -> None:
+        """Sets each point's kept share for training step `step`."""
+        progress = min(1.0, step / self.opening_steps)
+        if self.schedule == "gate":
+            self.kept.fill_(1 - progress)
+            return
+        if self.schedule == "layers":  # group l: layer l's two points; the final norm its own last group
+            groups = torch.cat([torch.arange(self.layers).repeat_interleave(2), torch.tensor([self.layers])])
+        else:  # stages: the MLPs' norms, then attention's, then the final norm
+            groups = torch.cat([torch.tensor([1, 0]).repeat(self.layers), torch.tensor([2])])
+        count = groups.max().item() + 1
+        self.kept.copy_(1 - (progress * count - groups).clamp(0, 1))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.set_step(state.global_step)
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
