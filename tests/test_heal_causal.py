@@ -589,12 +589,12 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
         ([str(llama / "post"), "--sample-reads", "0"], "sample_reads=0 is invalid: at least 1"),
         (
             [str(llama / "post"), "--sample-reads", "2", "--sample-count", "64"],
-            "sample_reads=2 is invalid with sample_count",
+            "sample_reads=2 is invalid: more than 1 needs a stream",
         ),
         ([str(llama / "post-shifted"), "--swap-schedule", "taper"], "needs a calibrated conversion out of pre-LN"),
         (
             [str(llama / "post"), "--swap-schedule", "taper", "--activation-checkpointing"],
-            "swap_schedule='taper' is invalid with activation_checkpointing=True",
+            "swap_schedule='taper' is invalid: not with activation_checkpointing=True",
         ),
         (
             [str(llama / "post-shifted"), "--reconstruct-steps", "5"],
@@ -602,13 +602,13 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
         ),
         (
             [str(llama / "post"), "--reconstruct-steps", "5", "--reconstruct-sequences", "8"],
-            "reconstruct_sequences=8 is too few for the fit: at least 16",
+            "reconstruct_sequences=8 is invalid: too few for the fit: at least 16",
         ),
         (
             [str(llama / "post"), "--reconstruct-steps", "5", "--swap-schedule", "taper"],
-            "reconstruct_steps is invalid with swap_schedule='taper'",
+            "reconstruct_steps=5 is invalid: the fit needs swap_schedule='direct'",
         ),
-        ([str(llama / "post"), "--reconstruct-steps", "5", "--lora"], "reconstruct_steps is invalid with lora=True"),
+        ([str(llama / "post"), "--reconstruct-steps", "5", "--lora"], "reconstruct_steps=5 is invalid: not with lora=True"),
         (
             [str(llama / "post"), "--reconstruct-steps", "5", "--data", str(tmp_path / "few.txt")],
             "reconstruct_sequences=128 is invalid: the training text holds",
@@ -617,7 +617,7 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
         ([str(llama / "post"), "--max-seconds", "-1"], "max_seconds=-1.0 is invalid: a positive number of seconds"),
         (
             [str(llama / "post"), "--max-tokens", "4096", "--max-seconds", "60"],
-            "max_tokens is invalid with max_seconds: give one budget",
+            "max_tokens=4096 is invalid: give one budget",
         ),
         ([str(llama / "post"), "--stop-patience", "-1"], "stop_patience=-1 is invalid: 0 (never stop early) or more"),
         ([str(llama / "post"), "--dev-size", "65"], "dev_size=65 is invalid: 1 to 64"),
@@ -671,7 +671,8 @@ def test_card_reports_next_token_figures(healed_text):
     effect, after = record["swap_effect"], record["heal"]["next_token"]["after"]
     assert f"top-1 agreement {effect['top1_agreement']:.3f}" in card.text
     assert f"after healing, KL {after['kl']:.3f} nats per token" in card.text
-    assert f"30 steps on sst2-sample ({record['heal']['data']['train_rows']:,} rows)" in card.text
+    tokens, rows = record["heal"]["tokens"], record["heal"]["data"]["train_rows"]
+    assert f"30 steps, {tokens:,} tokens of sst2-sample ({rows:,} rows)" in card.text
 
 
 def test_a_pushed_healed_variant_gives_its_healed_figures_and_uploads_what_its_card_cites(healed_text, tmp_path):

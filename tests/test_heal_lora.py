@@ -153,7 +153,7 @@ def test_lora_needs_peft(variant, tmp_path, monkeypatch, capsys):
     for options, message in [
         ({"lora_rank": 0}, "lora_rank=0 is invalid"),
         ({"dtype": "float16"}, "dtype='float16' is invalid"),
-        ({"dtype": "bfloat16"}, "dtype='bfloat16' needs --lora"),
+        ({"dtype": "bfloat16"}, "dtype='bfloat16' is invalid: bfloat16 needs --lora"),
     ]:
         with pytest.raises(HealError, match=message):
             HealOptions(**options)

@@ -18,6 +18,7 @@ LEVELS = {
     "checkpoint": 0,
     "devices": 0,
     "memory": 0,
+    "option_rules": 0,
     "records": 0,
     "tasks": 0,
     "model": 1,

@@ -196,7 +196,7 @@ def test_diagnostics_leave_no_gradient_under_accelerates_units(tmp_path, placeme
 
 
 def test_sharding_options_are_checked(variants, tmp_path, capsys):
-    with pytest.raises(ShardingError, match="fsdp_config='fsdp.json' needs fsdp"):
+    with pytest.raises(ShardingError, match=r"fsdp_config='fsdp.json' is invalid: it needs fsdp \(pass --fsdp too\)"):
         ShardingOptions(fsdp_config="fsdp.json")
     (tmp_path / "list.json").write_text("[]")
     for name, message in [("missing.json", "not a readable JSON file"), ("list.json", "holds list, not an object")]:
@@ -208,7 +208,7 @@ def test_sharding_options_are_checked(variants, tmp_path, capsys):
     arguments = ["heal", str(variants / "tied" / "variant"), str(tmp_path / "out"), "--fsdp", "--lora"]
     assert cli(arguments) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        "hf-normswap heal: error: lora=True is invalid with fsdp=True: adapters are not sharded; heal with one of them"
+        "hf-normswap heal: error: lora=True is invalid: adapters are not sharded (fsdp=True); heal with one of them"
     ]
     assert cli([*arguments[:-1], "--max-steps", "2"]) == 1  # the causal default data: texts sampled as they go
     assert "needs sample_count" in capsys.readouterr().err

@@ -8,7 +8,6 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import yaml
 from transformers.integrations import is_tensorboard_available, is_trackio_available, is_wandb_available
@@ -16,6 +15,7 @@ from transformers.integrations import is_tensorboard_available, is_trackio_avail
 from ..convert.norm_mapping import NORM_MAPPINGS
 from ..convert.options import ATTENTIONS
 from ..heal import HealOptions
+from ..option_rules import Rule
 from ..sharding import ShardingOptions, sharding_section, with_sharding_section
 from ..tasks import DATA_DIR
 from .variant import NUMBER_SETTINGS, Variant, read_number
@@ -33,15 +33,9 @@ HEAL_SETTINGS = tuple(  # the comparison names the teacher (its model), the chec
 _PATH_FIELDS = ("model", "tokenizer", "task", "data_dir")  # relative to the experiment file when found there
 
 
-class Rule(NamedTuple):
-    """A field's check on each number it holds, and what the error says is allowed."""
-
-    test: Callable[[float], bool]
-    allowed: str
-
-
-_AT_LEAST_1 = Rule(lambda v: v >= 1, "at least 1")
-_POSITIVE = Rule(lambda v: math.isfinite(v) and v > 0, "must be positive")
+# A field's `Rule` (the options' idiom, `option_rules`) tests each number it holds: a grid's values, or a variant's.
+_AT_LEAST_1 = Rule(lambda v, _: v >= 1, "at least 1")
+_POSITIVE = Rule(lambda v, _: math.isfinite(v) and v > 0, "must be positive")
 
 
 def _option(
@@ -108,19 +102,19 @@ class Experiment:
         distinct=True,
     )
     warmup_ratio: float = _option(
-        0.0, "warm-up, as a fraction of the steps", Rule(lambda v: 0 <= v < 1, "a fraction of the steps, in [0, 1)")
+        0.0, "warm-up, as a fraction of the steps", Rule(lambda v, _: 0 <= v < 1, "a fraction of the steps, in [0, 1)")
     )
     warmup_ratios: list[float] | None = _option(
         None,
         "comma-separated grid (replaces warmup_ratio)",
-        Rule(lambda v: 0 <= v < 1, "every warm-up ratio is a fraction of the steps, in [0, 1)"),
+        Rule(lambda v, _: 0 <= v < 1, "every warm-up ratio is a fraction of the steps, in [0, 1)"),
         distinct=True,
     )
     dev_fraction: float = _option(
         0.1,
         "of the training data, held out (seed 0): every run evaluates on it each epoch (convergence, early stopping) "
         "and a grid is scored on it; validation is never used; 0: no development split",
-        Rule(lambda v: 0 <= v < 1, "a fraction of the training data, in [0, 1)"),
+        Rule(lambda v, _: 0 <= v < 1, "a fraction of the training data, in [0, 1)"),
     )
     early_stopping_patience: int | None = _option(
         None,
@@ -132,13 +126,13 @@ class Experiment:
     max_length: int = _option(128, "tokens per example at most", Rule(_AT_LEAST_1.test, "at least 1 token"))
     epochs: float = _option(3.0, "training epochs", _POSITIVE)
     weight_decay: float = _option(
-        0.0, "AdamW weight decay", Rule(lambda v: math.isfinite(v) and v >= 0, "must be 0 or more")
+        0.0, "AdamW weight decay", Rule(lambda v, _: math.isfinite(v) and v >= 0, "must be 0 or more")
     )
     relative_learning_rates: bool = _option(False, "each matrix's learning rate times its RMS over the source's")
     max_steps: int = _option(
         -1,
         "training steps; -1: train for epochs",
-        Rule(lambda v: v == -1 or v >= 1, "-1 (train for epochs) or at least 1"),
+        Rule(lambda v, _: v == -1 or v >= 1, "-1 (train for epochs) or at least 1"),
     )
     max_train_samples: int | None = _option(None, "cut the training data to this many examples", _AT_LEAST_1)
     max_eval_samples: int | None = _option(None, "cut the evaluation data to this many examples", _AT_LEAST_1)
@@ -203,14 +197,14 @@ class Experiment:
                 setattr(owner, field.name, _read(field.name, getattr(owner, field.name), hints[field.name]))
         for field in dataclasses.fields(self):
             for value in _numbers(getattr(self, field.name)) if field.metadata.get("rule") else ():
-                _check(field.name, value)
+                _check(field.name, value, self)
         if not self.variants:
             raise ValueError("variants is empty: name at least one variant")
         variants = [Variant.parse(spec) for spec in self.variants]
         for variant in variants:
             for name in NUMBER_SETTINGS:
                 if getattr(variant, name) is not None:
-                    _check(name, getattr(variant, name))
+                    _check(name, getattr(variant, name), self)
         self._check_lists()
         self._check_variants(variants)
         self._check_names()
@@ -371,10 +365,10 @@ def _numbers(value) -> list:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
-def _check(name: str, value) -> None:
+def _check(name: str, value, experiment: "Experiment") -> None:
     """Checks a number of field `name` (or pinned by a variant) against the field's rule."""
     rule = _FIELDS[name].metadata["rule"]
-    if not rule.test(value):
+    if not rule.test(value, experiment):
         raise ValueError(f"{name}={value!r} is invalid: {rule.allowed}")
 
 

@@ -1,9 +1,10 @@
 """What `convert` may change and how it runs: one declaration for the Python keywords, the CLI and the checks."""
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from ..model.configuration_normswap import NORM_PLACEMENTS, NORM_TYPES, POSITION_EMBEDDING_TYPES
 from ..model.heads import HEAD_CLASSES
+from ..option_rules import check_options
 from .families import FAMILIES
 from .norm_mapping import NORM_MAPPINGS
 
@@ -78,7 +79,4 @@ class ConvertOptions:
     )
 
     def __post_init__(self):
-        for option in fields(self):  # norm_placement's length and the head's family are checked against the source
-            value, allowed = getattr(self, option.name), option.metadata.get("choices")
-            if allowed and value is not None and value not in allowed:
-                raise ConversionError(f"{option.name}={value!r} is invalid: allowed are {list(allowed)}")
+        check_options(self, ConversionError)  # norm_placement's length and the head's family: against the source

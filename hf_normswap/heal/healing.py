@@ -131,7 +131,6 @@ class _FittedLayers:
     head_figures: Callable[..., dict]
 
 
-
 def _gradual_swap(student, stream_rms: list[float] | None, options: HealOptions) -> GradualSwap | NormRemoval | None:
     """The callback that moves the student from its source's function to its own, if `swap_schedule` asks for one."""
     if options.swap_schedule == "direct":

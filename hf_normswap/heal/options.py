@@ -3,6 +3,7 @@ checks."""
 
 from dataclasses import dataclass, field, replace
 
+from ..option_rules import Rule, at_least, check_options, positive
 from ..sharding import ShardingOptions, sharding_section
 
 
@@ -101,6 +102,13 @@ class HealOptions:
     swap_schedule: str = field(
         default="direct",
         metadata={
+            "rules": (
+                Rule(
+                    lambda value, options: value != "taper" or not options.sharding.activation_checkpointing,
+                    "not with activation_checkpointing=True, whose recomputing one layer alone would not see the "
+                    "per-token stream carried from layer to layer",
+                ),
+            ),
             "choices": SWAP_SCHEDULES,
             "help": "out of pre-LN: start from the source's function and move to the target placement over the first "
             "half of the steps, all layers at once (gate), one layer after another (layers), or one layer after "
@@ -109,74 +117,137 @@ class HealOptions:
             "final norm (stages); direct: at once",
         },
     )
-    sample_temperature: float = field(default=1.0, metadata={"help": "with --data teacher: the sampling temperature"})
-    sample_length: int = field(default=64, metadata={"help": "with --data teacher: tokens per sampled text"})
+    sample_temperature: float = field(
+        default=1.0, metadata={"rules": (positive(),), "help": "with --data teacher: the sampling temperature"}
+    )
+    sample_length: int = field(
+        default=64, metadata={"rules": (positive(),), "help": "with --data teacher: tokens per sampled text"}
+    )
     sample_count: int | None = field(
         default=None,
         metadata={
-            "help": "with --data teacher: sample this many texts once and repeat them; default: a new text every time"
+            "rules": (at_least(1, "at least 1, or none for a stream"),),
+            "help": "with --data teacher: sample this many texts once and repeat them; default: a new text every time",
         },
     )
     sample_reads: int = field(
         default=1,
         metadata={
+            "rules": (
+                at_least(1),
+                Rule(
+                    lambda value, options: value == 1 or options.sample_count is None,
+                    "more than 1 needs a stream: texts sampled once (sample_count) are read again every epoch",
+                ),
+            ),
             "help": "with --data teacher and no --sample-count: read each sampled text this many times, each reading "
-            "after the next group's first, in a seeded order (on a CPU a second reading runs no teacher)"
+            "after the next group's first, in a seeded order (on a CPU a second reading runs no teacher)",
         },
     )
     reconstruct_steps: int | None = field(
         default=None,
         metadata={
+            "rules": (
+                at_least(0, "0 (no fit) or more"),
+                Rule(
+                    lambda value, options: not (value and options.lora),
+                    "not with lora=True: the fit trains the layers' own weights",
+                ),
+                Rule(
+                    lambda value, options: not value or options.swap_schedule == "direct",
+                    "the fit needs swap_schedule='direct': a gradual swap starts from the source's function, which "
+                    "fitted layers no longer compute",
+                ),
+            ),
             "help": "out of pre-LN, before healing: fit each layer in turn to the teacher's stream after it, on the "
             "layer's own inputs, this many Adam steps a layer (0: no fit); default: "
             f"{FITTED_DEFAULTS['reconstruct_steps']} for a causal-LM student of a calibrated conversion out of pre-LN "
-            "with the direct swap, without lora, else 0"
+            "with the direct swap, without lora, else 0",
         },
     )
     reconstruct_sequences: int = field(
         default=128,
         metadata={
+            "rules": (
+                Rule(
+                    lambda value, options: (
+                        not options.reconstruct_steps
+                        or (at_least(RECONSTRUCTION_BATCH_SIZE).test(value, options) and value is not None)
+                    ),
+                    f"too few for the fit: at least {RECONSTRUCTION_BATCH_SIZE}, one batch of its steps",
+                ),
+            ),
             "help": "with --reconstruct-steps: the texts the fit uses, the first of the training text (at least "
-            f"{RECONSTRUCTION_BATCH_SIZE}, one batch), and a batch of their tokens alone as texts of one token"
+            f"{RECONSTRUCTION_BATCH_SIZE}, one batch), and a batch of their tokens alone as texts of one token",
         },
     )
     max_steps: int | None = field(
         default=None,
         metadata={
-            "help": f"training steps; {_by_head('max_steps')}; for a causal-LM student, those --max-tokens take"
+            "rules": (at_least(1, "a whole number, at least 1"),),
+            "help": f"training steps; {_by_head('max_steps')}; for a causal-LM student, those --max-tokens take",
         },
     )
     max_tokens: int | None = field(
         default=None,
         metadata={
+            "rules": (
+                at_least(1, "a whole number, at least 1"),
+                Rule(
+                    lambda value, options: value is None or options.max_seconds is None,
+                    "give one budget, in tokens or in seconds, not max_seconds too",
+                ),
+            ),
             "help": "a causal-LM student's training tokens, as whole steps (sampled texts are --sample-length "
             f"long); default: {CAUSAL_SCALING.tokens_by_parameters:.3g} / its parameters outside embeddings and "
-            f"head, at most {CAUSAL_SCALING.most_tokens:,}; --max-steps overrides it"
+            f"head, at most {CAUSAL_SCALING.most_tokens:,}; --max-steps overrides it",
         },
     )
     max_seconds: float | None = field(
         default=None,
-        metadata={"help": "stop training after this many seconds (the schedule stays that of the steps)"},
+        metadata={
+            "rules": (positive("a positive number of seconds"),),
+            "help": "stop training after this many seconds (the schedule stays that of the steps)",
+        },
     )
     stop_patience: int = field(
         default=2,
         metadata={
+            "rules": (at_least(0, "0 (never stop early) or more"),),
             "help": "with --data teacher: stop once the next-token KL on --dev-size development texts (sampled with a "
             "seed of their own) has not fallen 1% below its best for this many measurements, every tenth of the "
-            "steps (0: never)"
+            "steps (0: never)",
         },
     )
-    dev_size: int = field(default=64, metadata={"help": "with --stop-patience: the development texts (at most 64)"})
+    dev_size: int = field(
+        default=64,
+        metadata={
+            "rules": (
+                Rule(
+                    lambda value, options: (
+                        at_least(1).test(value, options) and value is not None and value <= DEVELOPMENT_TEXTS
+                    ),
+                    f"1 to {DEVELOPMENT_TEXTS}",
+                ),
+            ),
+            "help": "with --stop-patience: the development texts (at most 64)",
+        },
+    )
     learning_rate: float | None = field(
         default=None,
         metadata={
+            "rules": (positive(),),
             "help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}; for a causal-LM "
-            f"student, {CAUSAL_SCALING.width_rate:.4g} / its hidden size squared, a tenth of it after fitted layers"
+            f"student, {CAUSAL_SCALING.width_rate:.4g} / its hidden size squared, a tenth of it after fitted layers",
         },
     )
-    batch_size: int | None = field(default=None, metadata={"help": f"texts per step; {_by_head('batch_size')}"})
-    max_length: int = field(default=128, metadata={"help": "tokens per text at most"})
-    eval_size: int = field(default=256, metadata={"help": "held-out texts measured before, during and after"})
+    batch_size: int | None = field(
+        default=None, metadata={"rules": (positive(),), "help": f"texts per step; {_by_head('batch_size')}"}
+    )
+    max_length: int = field(default=128, metadata={"rules": (positive(),), "help": "tokens per text at most"})
+    eval_size: int = field(
+        default=256, metadata={"rules": (positive(),), "help": "held-out texts measured before, during and after"}
+    )
     checkpoint_dir: str | None = field(
         default=None, metadata={"help": "keep resumable Trainer checkpoints here; a rerun continues from the last"}
     )
@@ -188,14 +259,29 @@ class HealOptions:
     lora: bool = field(
         default=False,
         metadata={
+            "rules": (
+                Rule(
+                    lambda value, options: not (value and options.sharding.fsdp),
+                    "adapters are not sharded (fsdp=True); heal with one of them",
+                ),
+            ),
             "help": "train low-rank adapters (PEFT) on the student's linear layers, and its norms, and merge them "
-            "into the saved checkpoint"
+            "into the saved checkpoint",
         },
     )
-    lora_rank: int = field(default=16, metadata={"help": "with --lora: the adapters' rank (their scale is 1)"})
+    lora_rank: int = field(
+        default=16, metadata={"rules": (at_least(1),), "help": "with --lora: the adapters' rank (their scale is 1)"}
+    )
     dtype: str = field(
         default="float32",
         metadata={
+            "rules": (
+                Rule(
+                    lambda value, options: value != "bfloat16" or options.lora,
+                    "bfloat16 needs --lora: a bfloat16 weight's update at a healing learning rate mostly rounds "
+                    "away; with --lora the adapters and norms train in float32",
+                ),
+            ),
             "choices": DTYPES,
             "help": "the dtype student and teacher are loaded in, and the student saves in; bfloat16 needs --lora",
         },
@@ -203,75 +289,7 @@ class HealOptions:
     sharding: ShardingOptions = sharding_section()
 
     def __post_init__(self):
-        if self.sharding.fsdp and self.lora:
-            raise HealError("lora=True is invalid with fsdp=True: adapters are not sharded; heal with one of them")
-        if self.objective not in (None, *OBJECTIVES):
-            raise HealError(f"objective={self.objective!r} is invalid: allowed are {list(OBJECTIVES)}")
-        for name in ("max_steps", "max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise HealError(f"{name}={value!r} is invalid: a whole number, at least 1")
-        if self.max_seconds is not None and not (isinstance(self.max_seconds, int | float) and self.max_seconds > 0):
-            raise HealError(f"max_seconds={self.max_seconds!r} is invalid: a positive number of seconds")
-        if self.max_tokens is not None and self.max_seconds is not None:
-            raise HealError("max_tokens is invalid with max_seconds: give one budget, in tokens or in seconds")
-        if self.swap_schedule not in SWAP_SCHEDULES:
-            raise HealError(f"swap_schedule={self.swap_schedule!r} is invalid: allowed are {list(SWAP_SCHEDULES)}")
-        if self.swap_schedule == "taper" and self.sharding.activation_checkpointing:
-            raise HealError(
-                "swap_schedule='taper' is invalid with activation_checkpointing=True: its per-token stream is carried "
-                "from layer to layer, which recomputing one layer alone would not see"
-            )
-        self._check_reconstruction()
-        if self.sample_count is not None and self.sample_count < 1:
-            raise HealError(f"sample_count={self.sample_count!r} is invalid: at least 1, or none for a stream")
-        if not isinstance(self.sample_reads, int) or self.sample_reads < 1:
-            raise HealError(f"sample_reads={self.sample_reads!r} is invalid: at least 1")
-        if self.sample_reads > 1 and self.sample_count is not None:
-            raise HealError(
-                f"sample_reads={self.sample_reads} is invalid with sample_count: texts sampled once are read again "
-                "every epoch"
-            )
-        if not isinstance(self.stop_patience, int) or self.stop_patience < 0:
-            raise HealError(f"stop_patience={self.stop_patience!r} is invalid: 0 (never stop early) or more")
-        if not isinstance(self.dev_size, int) or not 1 <= self.dev_size <= DEVELOPMENT_TEXTS:
-            raise HealError(f"dev_size={self.dev_size!r} is invalid: 1 to {DEVELOPMENT_TEXTS}")
-        for name in ("learning_rate", "batch_size", "max_length", "eval_size", "sample_temperature", "sample_length"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise HealError(f"{name}={getattr(self, name)!r} is invalid: must be positive")
-        if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
-            raise HealError(f"lora_rank={self.lora_rank!r} is invalid: at least 1")
-        if self.dtype not in DTYPES:
-            raise HealError(f"dtype={self.dtype!r} is invalid: allowed are {list(DTYPES)}")
-        if self.dtype == "bfloat16" and not self.lora:
-            raise HealError(
-                "dtype='bfloat16' needs --lora: a bfloat16 weight's update at a healing learning rate mostly rounds "
-                "away; with --lora the adapters and norms train in float32"
-            )
-
-    def _check_reconstruction(self) -> None:
-        if self.reconstruct_steps is None:
-            return
-        if not isinstance(self.reconstruct_steps, int) or self.reconstruct_steps < 0:
-            raise HealError(f"reconstruct_steps={self.reconstruct_steps!r} is invalid: 0 (no fit) or more")
-        if not self.reconstruct_steps:
-            return
-        if not isinstance(self.reconstruct_sequences, int) or self.reconstruct_sequences < RECONSTRUCTION_BATCH_SIZE:
-            raise HealError(
-                f"reconstruct_sequences={self.reconstruct_sequences!r} is too few for the fit: at least "
-                f"{RECONSTRUCTION_BATCH_SIZE}, one batch of its steps"
-            )
-        refused = {
-            "lora": (self.lora, "it fits the layers' own weights"),
-            "swap_schedule": (
-                self.swap_schedule,
-                "a gradual swap starts from the source's function, which the fitted layers no longer compute; use "
-                "swap_schedule='direct'",
-            ),
-        }
-        for name, (value, reason) in refused.items():
-            if value not in (False, "direct"):
-                raise HealError(f"reconstruct_steps is invalid with {name}={value!r}: {reason}")
+        check_options(self, HealError)
 
     def for_head(self, head: str, out_of_pre_ln: bool = False) -> "HealOptions":
         """These options with those left open set by `HEAD_DEFAULTS` for a student with `head`, and by

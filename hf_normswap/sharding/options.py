@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import str_to_bool
 
 from ..devices import cpu_computes_bfloat16
+from ..option_rules import Rule, check_options
 
 
 class ShardingError(ValueError):
@@ -32,7 +33,8 @@ class ShardingOptions:
         default=None,
         metadata={
             "help": "with --fsdp on GPUs: a JSON file of the Trainer's fsdp_config; default: FSDP2 with each decoder "
-            "layer its own unit"
+            "layer its own unit",
+            "rules": (Rule(lambda value, options: value is None or options.fsdp, "it needs fsdp (pass --fsdp too)"),),
         },
     )
     bf16: bool = field(
@@ -44,8 +46,7 @@ class ShardingOptions:
     )
 
     def __post_init__(self):
-        if self.fsdp_config is not None and not self.fsdp:
-            raise ShardingError(f"fsdp_config={self.fsdp_config!r} needs fsdp: pass --fsdp too")
+        check_options(self, ShardingError)
         self.fsdp_config_fields()
         if self.bf16 and not torch.accelerator.is_available() and not cpu_computes_bfloat16():
             warnings.warn(
