@@ -75,13 +75,6 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         stream_rms = recorded_stream_rms(Path(variant), f"swap_schedule={options.swap_schedule!r}")
     out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
     options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
-    if options.reconstruct_steps and not out_of_pre_ln:
-        raise HealError(
-            f"reconstruct_steps={options.reconstruct_steps} needs a calibrated conversion out of pre-LN; "
-            f"{variant}'s conversion.json records none"
-        )
-    if options.sharding.fsdp and options.data == "teacher" and options.sample_count is None:
-        raise HealError("data='teacher' with fsdp=True needs sample_count: texts are sampled once, before sharding")
     if options.checkpoint_dir and not resumable(options.sharding):
         raise HealError(
             "checkpoint_dir is invalid with fsdp=True on CPU: the Trainer cannot resume a model sharded there"

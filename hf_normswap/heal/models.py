@@ -24,6 +24,7 @@ from ..model.heads import HEAD_CLASSES, empty_model, head_of_config
 from ..model.norms_normswap import NormSwapDyT, NormSwapRMSNorm
 from ..sharding.fsdp import loads_weights, sharded
 from ..sharding.processes import processes
+from .gradual_swap import calibrated_out_of_pre_ln
 from .lora import merged, with_adapters
 from .options import HealError, HealOptions
 
@@ -73,11 +74,7 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
     )
     head = head_of_config(student.config)
     options = options.for_head(head)
-    if options.objective in LANGUAGE_OBJECTIVES and head != LANGUAGE_OBJECTIVES[options.objective]:
-        needed = LANGUAGE_OBJECTIVES[options.objective].replace("-lm", "-LM")
-        raise HealError(f"objective={options.objective!r} needs a {needed} student; {variant} has the {head!r} head")
-    if options.data == "teacher" and head != "causal-lm":
-        raise HealError(f"--data teacher needs a causal-LM teacher that generates; {variant} has the {head!r} head")
+    check_for_student(variant, options, head)
     teacher, masked_lm = _load_teacher(
         teacher_id,
         student_head=head,
@@ -100,6 +97,23 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
         dtype=dtype,
         student_folder=variant,
     )
+
+
+def check_for_student(variant: str, options: HealOptions, head: str) -> None:
+    """The options' rules that need the student VARIANT (its `head`, its conversion.json), with the defaults its
+    head gives (`for_head`); the rest are declared with the options."""
+    if options.objective in LANGUAGE_OBJECTIVES and head != LANGUAGE_OBJECTIVES[options.objective]:
+        needed = LANGUAGE_OBJECTIVES[options.objective].replace("-lm", "-LM")
+        raise HealError(f"objective={options.objective!r} needs a {needed} student; {variant} has the {head!r} head")
+    if options.data == "teacher" and head != "causal-lm":
+        raise HealError(f"--data teacher needs a causal-LM teacher that generates; {variant} has the {head!r} head")
+    if options.reconstruct_steps and not calibrated_out_of_pre_ln(Path(variant)):
+        raise HealError(
+            f"reconstruct_steps={options.reconstruct_steps} needs a calibrated conversion out of pre-LN; "
+            f"{variant}'s conversion.json records none"
+        )
+    if options.sharding.fsdp and options.data == "teacher" and options.sample_count is None:
+        raise HealError("data='teacher' with fsdp=True needs sample_count: texts are sampled once, before sharding")
 
 
 def layer_parameters(model: torch.nn.Module) -> int:
