@@ -218,7 +218,7 @@ def _processes(args) -> int:
 def _run_heal(args) -> None:
     if args.plan:
         from .heal.plan import heal_plan
-        from .sharding.memory_plan import describe_plan
+        from .sharding import describe_plan
 
         options = HealOptions(**with_sharding_section(given(args, HealOptions)))
         print(describe_plan(heal_plan(args.variant, options, _processes(args))))
@@ -257,7 +257,7 @@ def _run_compare(args) -> None:
     experiment = Experiment.from_file(base, **options) if base else Experiment(**with_sharding_section(options))
     if args.plan:
         from .compare.plan import comparison_plan
-        from .sharding.memory_plan import describe_plan
+        from .sharding import describe_plan
 
         print(describe_plan(comparison_plan(experiment, _processes(args))))
         return
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()  # the Trainer's own progress bars stay
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()
-    from .sharding.processes import end_processes
+    from .sharding import end_processes
 
     try:
         COMMANDS[args.command][1](args)

@@ -11,6 +11,7 @@ import accelerate.state
 from accelerate.utils import DistributedType
 
 import hf_normswap.sharding.fsdp
+import hf_normswap.sharding.trainer_bridge
 
 
 def take_fsdp_plugin(init):
@@ -26,6 +27,7 @@ def take_fsdp_plugin(init):
 if __name__ == "__main__":
     accelerate.state.AcceleratorState.__init__ = take_fsdp_plugin(accelerate.state.AcceleratorState.__init__)
     hf_normswap.sharding.fsdp.accelerate_shards = lambda: True
+    hf_normswap.sharding.trainer_bridge.accelerate_shards = lambda: True  # where it is read as a name too
     if sys.argv[1] == "-m":
         sys.argv = sys.argv[2:]
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

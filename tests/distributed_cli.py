@@ -11,7 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hf_normswap.cli import main
-from hf_normswap.sharding.processes import processes
+from hf_normswap.sharding import processes
 
 
 if __name__ == "__main__":

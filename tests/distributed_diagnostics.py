@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_normswap import NormSwapForSequenceClassification
 from hf_normswap.compare.training_diagnostics import DiagnosticsCallback
-from hf_normswap.sharding.processes import end_processes, processes
+from hf_normswap.sharding import end_processes, processes
 
 from helpers import padded_batch, tiny_config
 

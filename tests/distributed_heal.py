@@ -25,7 +25,7 @@ from hf_normswap import heal_checkpoint
 from hf_normswap.heal import losses
 from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.trainer import HealTrainer
-from hf_normswap.sharding.processes import end_processes
+from hf_normswap.sharding import end_processes
 
 from helpers import healed_folder
 

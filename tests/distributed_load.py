@@ -20,9 +20,15 @@ from hf_normswap.compare.variants import Start, build_model
 from hf_normswap.heal.data import heal_texts
 from hf_normswap.heal.models import load_models
 from hf_normswap.heal.options import HealOptions
-from hf_normswap.sharding import ShardingOptions
-from hf_normswap.sharding.fsdp import gathered, loads_weights, prepare_frozen, prepare_trained
-from hf_normswap.sharding.processes import end_processes, processes
+from hf_normswap.sharding import (
+    ShardingOptions,
+    end_processes,
+    gathered,
+    loads_weights,
+    prepare_frozen,
+    prepare_trained,
+    processes,
+)
 
 
 def holds_weights(model: torch.nn.Module) -> bool:

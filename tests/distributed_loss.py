@@ -20,7 +20,7 @@ from hf_normswap import (
     NormSwapForSequenceClassification,
     NormSwapForTokenClassification,
 )
-from hf_normswap.sharding.processes import end_processes
+from hf_normswap.sharding import end_processes
 
 from helpers import tiny_config
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers import DistributedConfig
 
 from hf_normswap import NormSwapForCausalLM, NormSwapForMaskedLM, NormSwapForSequenceClassification
-from hf_normswap.sharding.processes import end_processes
+from hf_normswap.sharding import end_processes
 
 from helpers import padded_batch, tiny_config
 

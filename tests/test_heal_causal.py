@@ -608,7 +608,10 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
             [str(llama / "post"), "--reconstruct-steps", "5", "--swap-schedule", "taper"],
             "reconstruct_steps=5 is invalid: the fit needs swap_schedule='direct'",
         ),
-        ([str(llama / "post"), "--reconstruct-steps", "5", "--lora"], "reconstruct_steps=5 is invalid: not with lora=True"),
+        (
+            [str(llama / "post"), "--reconstruct-steps", "5", "--lora"],
+            "reconstruct_steps=5 is invalid: not with lora=True",
+        ),
         (
             [str(llama / "post"), "--reconstruct-steps", "5", "--data", str(tmp_path / "few.txt")],
             "reconstruct_sequences=128 is invalid: the training text holds",

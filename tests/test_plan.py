@@ -10,8 +10,7 @@ from hf_normswap.compare.experiment import Experiment
 from hf_normswap.compare.plan import comparison_plan
 from hf_normswap.heal.options import HealOptions
 from hf_normswap.heal.plan import heal_plan
-from hf_normswap.sharding import ShardingOptions
-from hf_normswap.sharding.memory_plan import describe_plan
+from hf_normswap.sharding import ShardingOptions, describe_plan
 
 from helpers import save_source
 

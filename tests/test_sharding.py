@@ -17,7 +17,7 @@ import torch
 from hf_normswap import heal_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.heal.options import CAUSAL_SCALING
-from hf_normswap.sharding import ShardingOptions, fsdp, options
+from hf_normswap.sharding import ShardingOptions, fsdp, options, trainer_bridge
 from hf_normswap.sharding.options import ShardingError
 
 from helpers import (
@@ -239,13 +239,15 @@ def test_the_fsdp_config_decides_who_reads_the_trained_model(tmp_path, monkeypat
     monkeypatch.setattr(fsdp, "sharded", lambda options: True)
     monkeypatch.setattr(fsdp, "is_main_process", lambda: False)
     monkeypatch.setattr(fsdp, "accelerate_shards", lambda: True)
+    monkeypatch.setattr(trainer_bridge, "sharded", lambda options: True)
+    monkeypatch.setattr(trainer_bridge, "accelerate_shards", lambda: True)
     for index, (fields, once) in enumerate(cases):
         (tmp_path / f"{index}.json").write_text(json.dumps(fields))
         options = ShardingOptions(fsdp=True, fsdp_config=str(tmp_path / f"{index}.json"))
         assert options.reads_trained_once() is once
         assert fsdp.loads_weights(options, trained=True) is not once
         assert fsdp.loads_weights(options) is False  # a teacher: sharded here, from the main process's copy
-        arguments = fsdp.trainer_arguments(options, model=None)
+        arguments = trainer_bridge.trainer_arguments(options, model=None)
         assert arguments["fsdp_config"]["cpu_ram_efficient_loading"] in (once, int(once))
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
     with pytest.raises(ShardingError, match="turns cpu_ram_efficient_loading off, the launch's accelerate"):

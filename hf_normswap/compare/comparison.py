@@ -10,8 +10,7 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import CheckpointError, read_tensors, weight_files
 from ..convert.gguf import is_gguf, shipped_model, write_gguf_checkpoint
-from ..sharding import flat_settings
-from ..sharding.processes import processes, world_size
+from ..sharding import flat_settings, processes, world_size
 from ..tasks import Task, load_task
 from .experiment import Experiment, Variant
 from .precision import first_stage_seeds, stage_one

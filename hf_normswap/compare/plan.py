@@ -3,7 +3,7 @@
 from ..heal.models import source_config
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES
-from ..sharding.memory_plan import MemoryPlan, plan_memory
+from ..sharding import MemoryPlan, plan_memory
 from .comparison import source_model
 from .experiment import Experiment
 

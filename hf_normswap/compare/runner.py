@@ -25,15 +25,17 @@ from transformers import (
 from ..convert import load_unswapped
 from ..model.packing import DataCollatorWithPacking
 from ..probes.collapse import collapse_profile
-from ..sharding.fsdp import (
+from ..sharding import (
     RecordShardedOutputs,
+    from_main_process,
+    is_main_process,
     loads_weights,
     prepare_trained,
     sharded,
     take_main_dtypes,
     trainer_arguments,
+    world_size,
 )
-from ..sharding.processes import from_main_process, is_main_process, world_size
 from ..tasks import Task, unigram_loss
 from .convergence import converged
 from .experiment import Experiment, Variant

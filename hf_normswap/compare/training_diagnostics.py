@@ -9,7 +9,7 @@ from ..devices import compute_device
 from ..model.evaluation_mode import evaluation_mode
 from ..probes.collapse import collapse_profile
 from ..probes.diagnostics import layer_gradient_norms, residual_rms
-from ..sharding.fsdp import gathered
+from ..sharding import gathered
 
 
 class DiagnosticsCallback(TrainerCallback, ExportableState):

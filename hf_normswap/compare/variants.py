@@ -19,7 +19,7 @@ from ..model.admin import profile_admin
 from ..model.configuration_normswap import NormSwapConfig, mix_ln_placement
 from ..model.heads import head_of_config
 from ..model.modeling_normswap import NormSwapForCausalLM, NormSwapForSequenceClassification
-from ..sharding.fsdp import resumable
+from ..sharding import resumable
 from ..tasks import Task
 from .experiment import Experiment, Variant
 

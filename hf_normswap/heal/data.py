@@ -12,8 +12,7 @@ from datasets import Dataset, load_dataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from ..devices import compute_device
-from ..sharding.fsdp import loads_weights, sharded
-from ..sharding.processes import from_main_process
+from ..sharding import from_main_process, loads_weights, sharded
 from ..tasks import GLUE_TASKS, load_task
 from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
 

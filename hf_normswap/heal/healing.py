@@ -34,9 +34,17 @@ from ..probes.next_token import (
     next_token_log_probs,
 )
 from ..probes.stream_mix import kl_by_layer
-from ..sharding import with_sharding_section
-from ..sharding.fsdp import gathered, prepare_frozen, prepare_trained, resumable, sharded, unsharded
-from ..sharding.processes import is_main_process, processes
+from ..sharding import (
+    gathered,
+    is_main_process,
+    prepare_frozen,
+    prepare_trained,
+    processes,
+    resumable,
+    sharded,
+    unsharded,
+    with_sharding_section,
+)
 from .data import HealTexts, heal_texts
 from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_stream_rms, recorded_stream_rms
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states

@@ -21,8 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..probes.collapse import POOLINGS, pool
 from ..probes.next_token import token_log_probs
-from ..sharding.fsdp import gathered
-from ..sharding.processes import agreed_max
+from ..sharding import agreed_max, gathered
 
 
 def comparable(student: tuple, teacher: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -22,8 +22,7 @@ from ..convert.gguf import is_gguf, shipped_model
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, empty_model, head_of_config
 from ..model.norms_normswap import NormSwapDyT, NormSwapRMSNorm
-from ..sharding.fsdp import loads_weights, sharded
-from ..sharding.processes import processes
+from ..sharding import loads_weights, processes, sharded
 from .gradual_swap import calibrated_out_of_pre_ln
 from .lora import merged, with_adapters
 from .options import HealError, HealOptions

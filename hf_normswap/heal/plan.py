@@ -4,7 +4,7 @@ from pathlib import Path
 
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import head_of_config
-from ..sharding.memory_plan import MemoryPlan, plan_memory
+from ..sharding import MemoryPlan, plan_memory
 from .models import resolve_teacher, source_config
 from .options import HealError, HealOptions
 

@@ -19,8 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..model.packing import pack_padded, unpack
 from ..probes.next_token import agreement, next_token_log_probs
-from ..sharding.fsdp import RecordShardedOutputs, gathered, trainer_arguments
-from ..sharding.processes import agreed_max, token_share
+from ..sharding import RecordShardedOutputs, agreed_max, gathered, token_share, trainer_arguments
 from .data import TEACHER_STATES
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure, measure_states, student_states

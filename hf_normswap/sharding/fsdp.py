@@ -9,24 +9,22 @@ takes no FSDP plugin (it trains with DDP instead), so the model is sharded here 
 gradient reduction, which keeps the Trainer from wrapping it in DDP.
 """
 
-import contextlib
 import itertools
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import transformers
 from accelerate.utils import DistributedType, parse_flag_from_env
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import TrainerCallback, TrainingArguments
 
 from ..devices import compute_device
 from ..memory import release_freed_memory
 from ..model.evaluation_mode import evaluation_mode
+from .collectives import from_main_process
 from .options import ShardingError, ShardingOptions
 from .private_internals import TRAINER_KEEPS_SHARDED_MODELS, mark_sharded_at_load, record_outputs
-from .processes import from_main_process, is_main_process, processes, world_size
+from .processes import is_main_process, processes, world_size
 
 
 def accelerate_shards() -> bool:
@@ -123,16 +121,6 @@ def run_whole_once(model: torch.nn.Module) -> None:
             unit.reshard()
 
 
-class RecordShardedOutputs(TrainerCallback):
-    """For the trained model once the Trainer has prepared it (sharded by accelerate's FSDP2): `record_outputs`, and
-    `run_whole_once`, so that the callbacks after it (measurements) may run its submodules alone."""
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        record_outputs(model)
-        if isinstance(model, FSDPModule):
-            run_whole_once(model)
-
-
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of `model`: modules of its `_no_split_modules` classes, but the one holding the input
     embeddings (the root's unit keeps them with a head that may be tied to them)."""
@@ -188,69 +176,6 @@ def prepare_frozen(model: torch.nn.Module, options: ShardingOptions) -> torch.nn
     return model
 
 
-# TrainingArguments' field for activation checkpointing: `activation_checkpointing` from Transformers 5.23 (where
-# `gradient_checkpointing` is its deprecated alias), `gradient_checkpointing` before.
-CHECKPOINTING_ARGUMENT = next(
-    name
-    for name in ("activation_checkpointing", "gradient_checkpointing")
-    if name in TrainingArguments.__dataclass_fields__
-)
-
-
-def trainer_arguments(options: ShardingOptions, model: torch.nn.Module) -> dict:
-    """The TrainingArguments `options` set: mixed precision, activation checkpointing, and on accelerators the
-    Trainer's FSDP2 (the `fsdp_config` file, or each of the model's blocks a unit). On CPU, a model sharded here (see
-    `shard`) cannot be resumed by the Trainer, so it saves no checkpoints (`resumable`)."""
-    arguments = {"bf16": options.bf16, CHECKPOINTING_ARGUMENT: options.activation_checkpointing}
-    if sharded(options) and accelerate_shards():
-        config = options.fsdp_config_fields() or {
-            "version": 2,
-            "transformer_layer_cls_to_wrap": block_class_names(model),
-        }
-        arguments.update(fsdp=True, fsdp_config={"cpu_ram_efficient_loading": True, **config})
-    elif not resumable(options):
-        arguments.update(save_strategy="no")
-    return arguments
-
-
 def resumable(options: ShardingOptions) -> bool:
     """Whether the Trainer can keep resumable checkpoints of a training with `options`: not of a model sharded here."""
     return not sharded(options) or accelerate_shards()
-
-
-@contextlib.contextmanager
-def gathered(*models: torch.nn.Module) -> Iterator[None]:
-    """The root units of the sharded `models` gathered for the block (their embeddings, final norm and head), so that
-    their submodules (`base_model`, a head) run outside the models' own forward; after it every unit of theirs is
-    resharded, those that stay gathered after a forward too (accelerate's tail of final norm and head): a gathered
-    unit's parameters are its unsharded ones, which `zero_grad` would clear instead of the sharded gradients. Every
-    process must enter it."""
-    roots = [model for model in models if isinstance(model, FSDPModule)]
-    for root in roots:
-        root.unshard()
-    try:
-        yield
-    finally:
-        for unit in (module for root in roots for module in root.modules() if isinstance(module, FSDPModule)):
-            unit.reshard()
-
-
-def unsharded(model: torch.nn.Module) -> torch.nn.Module | None:
-    """`model` itself when it is not sharded; else, gathered from its shards (every process joining), a plain model
-    of its class holding its full weights on CPU, on the main process (None elsewhere): what gets saved. The plain
-    model is built on the meta device and takes the gathered tensors as its own, so the weights are held once; its
-    buffers outside the state dict (e.g. rotary frequencies) stay unbuilt, for it is only to be saved."""
-    if not isinstance(model, FSDPModule):
-        return model
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_main_process():
-        return None
-    plain_class = next(kind for kind in type(model).__mro__ if not issubclass(kind, FSDPModule))
-    with torch.device("meta"):
-        plain = plain_class._from_config(model.config, dtype=model.dtype)
-    plain.load_state_dict(state, assign=True, strict=False)  # a tied head is not in `state`: tied again below
-    plain.tie_weights()
-    missing = [name for name, tensor in plain.state_dict().items() if tensor.is_meta]
-    if missing:
-        raise RuntimeError(f"gathered state of {plain_class.__name__} lacks {missing[:3]}")
-    return plain
