@@ -10,6 +10,7 @@ import torch
 from ..checkpoint import ShardWriter, read_tensors
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, local_name
+from ..model.norms_normswap import input_scale
 from .exact_swaps import apply_exact_swap
 from .norm_mapping import norm_slots
 from .options import ConversionError
@@ -119,14 +120,14 @@ def _target_tensors(plan: ConversionPlan, dropped: list[str]) -> Iterator[tuple[
 
 
 def _depth_scale(plan: ConversionPlan, name: str) -> float:
-    """What a tensor is multiplied by on its way: sqrt(l) for the input norms of a layer at depth l going from pre to
-    lns (LayerNorm Scaling divides them by sqrt(l)), 1/sqrt(l) from lns to pre, else 1."""
+    """What a tensor is multiplied by on its way: for an input norm, its source layer's `input_scale` over its target
+    layer's (pre -> lns: sqrt(l) at depth l, which LayerNorm Scaling divides by), else 1."""
     match = _INPUT_NORM.fullmatch(name)
     if not match:
         return 1.0
     layer = int(match[1])
-    placements = (plan.plain.layer_norm_placements[layer], plan.target.layer_norm_placements[layer])
-    return {("pre", "lns"): (layer + 1) ** 0.5, ("lns", "pre"): (layer + 1) ** -0.5}.get(placements, 1.0)
+    before, after = plan.plain.layer_norm_placements[layer], plan.target.layer_norm_placements[layer]
+    return input_scale(before, layer + 1) / input_scale(after, layer + 1)
 
 
 def _renamed(plan: ConversionPlan, file: Path, source_name: str, tensor: torch.Tensor) -> list:

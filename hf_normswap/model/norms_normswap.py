@@ -45,6 +45,12 @@ def build_norm(config: NormSwapConfig, size: int) -> nn.Module:
     return nn.LayerNorm(size, eps=config.norm_eps, bias=config.norm_bias)
 
 
+def input_scale(placement: str, depth: int) -> float:
+    """What the input norm's output is multiplied by in a layer of `placement` at depth 1, 2, ...: 1/sqrt(depth) for
+    LayerNorm Scaling (`lns`), else 1."""
+    return depth**-0.5 if placement == "lns" else 1.0
+
+
 class NormSwapFixedScale(nn.Module):
     """A removed norm's fixed stand-in: weight * x (+ bias), x centred first where the model's norms are LayerNorms."""
 
@@ -76,7 +82,7 @@ class ResidualNorms(nn.Module):
         self.input_norm = build_norm(config, size=config.hidden_size) if "input_norm" in slots else nn.Identity()
         self.output_norm = build_norm(config, size=config.hidden_size) if "output_norm" in slots else nn.Identity()
         self.residual_norm = build_norm(config, size=config.hidden_size) if "residual_norm" in slots else nn.Identity()
-        self.input_scale = depth**-0.5 if placement == "lns" else 1.0
+        self.input_scale = input_scale(placement, depth)
         self.residual_scale = config.deepnorm_alpha if placement == "deepnorm" else 1.0
         self.residual_weight = nn.Parameter(torch.ones(config.hidden_size)) if placement == "admin" else None
         self.dropout = nn.Dropout(config.hidden_dropout)
