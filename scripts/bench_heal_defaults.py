@@ -78,6 +78,8 @@ def heal_once(source: str, converted: Path, folder: Path, batches: list[dict], *
         "tokens": report["tokens"],
         "stopped_at": report["budget"]["stopped_at"],
         "seconds": seconds,
+        "after_fit": ((report.get("next_token") or {}).get("before") or {}).get("kl"),  # heal.json's, on SST-2 text
+        "fit": report.get("reconstruction"),
         **measured(source, folder, batches),
     }
 
@@ -132,6 +134,8 @@ def _print_row(model: str, name: str, row: dict, converted: bool = False) -> Non
             f", {row['steps']} steps (planned {row['planned_steps']}) at lr {row['learning_rate']:.3g} batch "
             f"{row['batch_size']}, {row['tokens']:,} tokens, {row['seconds']:.0f} s"
         )
+        if row.get("fit"):
+            line += f"; heal.json's KL {row['fit']['conversion']['kl']:.3f} converted, {row['after_fit']:.3f} fitted"
     print(line, flush=True)
 
 
