@@ -20,11 +20,12 @@ def constant_norm_config(config: NormSwapConfig) -> NormSwapConfig:
     """The pre-LN configuration whose norms divide by a constant, computing what the norm-free `config` computes."""
     if config.norm_type == "dyt":
         raise ConversionError("norm_type='dyt': a tanh cannot divide by a constant; export needs layernorm or rmsnorm")
-    if config.qk_norm:
-        raise ConversionError(
-            "qk_norm=True: the native classes have one norm epsilon, and the query/key norms would take the "
-            f"norm-free export's {CONSTANT_NORM_EPS:.0f}"
-        )
+    for field, norms in (("qk_norm", "query/key norms"), ("embedding_norm", "embedding norm")):
+        if getattr(config, field):
+            raise ConversionError(
+                f"{field}=True: the native classes have one norm epsilon, and the {norms} would take the norm-free "
+                f"export's {CONSTANT_NORM_EPS:.0f}"
+            )
     fields = config.to_dict()
     fields.update(norm_placement="pre", final_norm=True, final_scale=False, norm_eps=CONSTANT_NORM_EPS)
     fields.pop("removed_norm_rms", None)
