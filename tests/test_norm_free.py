@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.branch_calibration import calibrate_branches
+from hf_normswap.convert.calibration import _finite_on
 from hf_normswap.convert.constant_norms import CONSTANT_NORM_EPS
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.export import export_native
@@ -257,3 +258,13 @@ def test_stage_schedules_refused_where_they_do_not_apply(norm_free, tmp_path):
     with pytest.raises(HealError, match=r"^swap_schedule='stages' is for norm-free students"):
         heal_checkpoint(str(tmp_path / "post"), str(tmp_path / "b"), swap_schedule="stages", max_steps=2, log=None)
     assert not (tmp_path / "b").exists()
+
+
+def test_an_overflowing_norm_free_model_is_noticed():
+    model = NormSwapForCausalLM(tiny_config(norm_placement="none", is_causal=True))
+    batch = {"input_ids": torch.randint(0, 99, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    assert _finite_on(model, batch)
+    with torch.no_grad():  # a first position's stream grown past float32's range
+        model.model.layers[1].mlp.down_proj.weight.mul_(1e38)
+        model.model.layers[1].mlp.up_proj.weight.mul_(1e38)
+    assert not _finite_on(model, batch)

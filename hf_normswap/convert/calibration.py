@@ -102,6 +102,16 @@ def calibrate_checkpoint(
     return record, changed
 
 
+@torch.no_grad()
+def _finite_on(model: nn.Module, batch: dict) -> bool:
+    """Whether `model`'s outputs on `batch` are finite (a lazy model is not run: True)."""
+    if lazy_of(model) is not None:
+        return True
+    with evaluation_mode(model):
+        outputs = model(**batch)
+    return bool(torch.isfinite(outputs.logits if hasattr(outputs, "logits") else outputs.last_hidden_state).all())
+
+
 def _calibration_data(model: nn.Module, source_model: nn.Module, tokenizer, size: int, batch_size: int):
     """The batches to calibrate on, and what they are: `size` sentences of the training sample (random tokens without
     a tokenizer) or, for a norm-free causal LM, texts sampled from the source, whose stream RMS at each point is that
@@ -137,6 +147,11 @@ def _calibrate_model(
         if removes_norms(target):
             target.removed_norm_rms = model.config.removed_norm_rms = calibration.stream_rms
             into = "folded the pre-LN norms into the layers reading the stream, the final norm into a fixed scale"
+            if not _finite_on(model, batches[0]):
+                into += (
+                    "; WARNING: its outputs overflow on the calibration texts (a first position whose stream the "
+                    "source's norms kept in check grows unchecked: docs/interpretability.md)"
+                )
         return calibration.branch_gains, {}, None, into
     sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
     scales, errors = calibrate_writes(model, sublayers, batches, source_model, sources)
