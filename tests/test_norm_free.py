@@ -2,6 +2,7 @@
 norms that divide by a constant, and norm gains folded into the layers reading them (`--fold-norm-weights`)."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
-from hf_normswap.convert.branch_calibration import calibrate_branches
+from hf_normswap.convert.branch_calibration import calibrate_branches, set_first_position_scales
 from hf_normswap.convert.calibration import _finite_on
 from hf_normswap.convert.constant_norms import CONSTANT_NORM_EPS
 from hf_normswap.convert.converter import ConversionRecord
@@ -30,12 +31,16 @@ HEADS = {"llama": "ForCausalLM", "gpt2": "LMHeadModel"}
 
 @pytest.fixture(scope="module")
 def norm_free(tmp_path_factory):
-    """Tiny pre-LN LLaMA (untied head) and GPT-2 (tied, LayerNorm with biases) sources and their norm-free
-    conversions."""
+    """Tiny pre-LN LLaMA (untied head) and GPT-2 (tied, LayerNorm with biases) sources, their norm-free conversions,
+    and those without the first position's divisors."""
     folder = tmp_path_factory.mktemp("norm-free")
     for family, head in HEADS.items():
         save_source(folder / family, family, head, initializer_range=0.2)
         convert_checkpoint(str(folder / family), str(folder / f"{family}-none"), norm_placement="none", **QUIET)
+        model = HEAD_CLASSES["causal-lm"].from_pretrained(folder / f"{family}-none")
+        set_first_position_scales(model, None)  # as a staged healing leaves it: the native export's input
+        shutil.copytree(folder / f"{family}-none", folder / f"{family}-exportable")  # the tokenizer with it
+        model.save_pretrained(folder / f"{family}-exportable")
     return folder
 
 
@@ -98,7 +103,7 @@ def test_norm_free_conversion_records_what_it_removed(norm_free, family):
 @pytest.mark.parametrize("family", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_free_export_is_the_familys_own_class(norm_free, tmp_path, family, dtype):
-    folder = norm_free / f"{family}-none"
+    folder = norm_free / f"{family}-exportable"
     if dtype != torch.float32:
         HEAD_CLASSES["causal-lm"].from_pretrained(folder, dtype=dtype).save_pretrained(tmp_path / "variant")
         folder = tmp_path / "variant"
@@ -118,8 +123,10 @@ def test_norm_free_export_is_the_familys_own_class(norm_free, tmp_path, family, 
     assert (_logits(native.eval(), input_ids) - expected).abs().max() <= tolerance * expected.abs().max()
 
 
-def test_norm_free_export_refuses_float16_and_query_key_norms(norm_free, tmp_path):
-    HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / "llama-none", dtype=torch.float16).save_pretrained(
+def test_norm_free_export_refuses_first_positions_float16_and_query_key_norms(norm_free, tmp_path):
+    with pytest.raises(ConversionError, match=r"^first_position_scales: the native classes have no scale for a seq"):
+        export_native(str(norm_free / "llama-none"), str(tmp_path / "out"), **QUIET)
+    HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / "llama-exportable", dtype=torch.float16).save_pretrained(
         tmp_path / "half"
     )
     with pytest.raises(ConversionError, match=r"^dtype float16: a norm-free export's norm gains are 1048576"):
@@ -195,9 +202,11 @@ def test_norm_free_refused_from_a_source_whose_norms_write_the_stream(tmp_path, 
 def test_transformer_lens_reads_the_exported_norm_free_stream(norm_free, tmp_path, family):
     from transformer_lens.model_bridge import TransformerBridge
 
-    export_native(str(norm_free / f"{family}-none"), str(tmp_path / "native"), **QUIET)
+    export_native(str(norm_free / f"{family}-exportable"), str(tmp_path / "native"), **QUIET)
     bridge = TransformerBridge.boot_transformers(str(tmp_path / "native"), device="cpu")
-    variant = HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / f"{family}-none", attn_implementation="eager")
+    variant = HEAD_CLASSES["causal-lm"].from_pretrained(
+        norm_free / f"{family}-exportable", attn_implementation="eager"
+    )
     input_ids = torch.randint(0, variant.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     logits, cache = bridge.run_with_cache(input_ids)
     with torch.no_grad():
@@ -248,6 +257,14 @@ def test_heal_removes_the_norms_in_stages(norm_free, tmp_path):
     assert after < before
     healed = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "healed")
     assert set(healed.config.layer_norm_placements) == {"none"} and healed.config.final_scale
+    assert healed.config.first_position_scales is None  # removed last
+
+
+def test_a_direct_healing_leaves_a_model_the_native_class_holds(norm_free, tmp_path):
+    assert HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / "llama-none").config.first_position_scales
+    heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "healed"), max_steps=2, log=None)
+    assert HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "healed").config.first_position_scales is None
+    assert export_native(str(tmp_path / "healed"), str(tmp_path / "native"), **QUIET)["family"] == "llama"
 
 
 def test_stage_schedules_refused_where_they_do_not_apply(norm_free, tmp_path):
@@ -268,3 +285,19 @@ def test_an_overflowing_norm_free_model_is_noticed():
         model.model.layers[1].mlp.down_proj.weight.mul_(1e38)
         model.model.layers[1].mlp.up_proj.weight.mul_(1e38)
     assert not _finite_on(model, batch)
+
+
+@pytest.mark.parametrize("family", HEADS)
+def test_first_position_keeps_its_own_divisors(norm_free, family):
+    # The calibration texts start with BOS, so a text's first position holds BOS's stream, which its own divisors
+    # (the source's RMS there) give back exactly: the first position's logits are the source's.
+    source = load_unswapped(str(norm_free / family), head="causal-lm")
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / f"{family}-none").eval()
+    scales = model.config.first_position_scales
+    assert len(scales) == 5 and any(abs(scale - 1) > 0.01 for scale in scales)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    input_ids[:, 0] = model.config.bos_token_id
+    expected = _logits(source, input_ids)[:, 0]
+    assert (_logits(model, input_ids)[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
+    set_first_position_scales(model, None)
+    assert (_logits(model, input_ids)[:, 0] - expected).abs().max() > 1e-3 * expected.abs().max()

@@ -12,7 +12,9 @@ folded into the linear layers reading it, divided by the source's median stream 
 too, as the readers' weights less their means over the inputs): exact for the tokens whose stream RMS is r_s.
 
 Norm-free (`none`) folds every input norm so, and the final norm becomes a fixed per-feature scale: its gain over the
-source's median RMS before it (and its bias), the head left as it is, tied or not.
+source's median RMS before it (and its bias), the head left as it is, tied or not. Each text's first position (an
+attention sink, its stream many times the median) keeps its own divisors: the source's median there at position 0,
+as factors r_s / r0_s on the first position's input at each point (`first_position_scales`).
 """
 
 from dataclasses import dataclass
@@ -57,6 +59,14 @@ def calibrates_branches(plain: NormSwapConfig, target: NormSwapConfig) -> bool:
         and not target.embedding_norm
         and not (reads_bare and norm_bias and not (plain.attention_bias and plain.mlp_bias))
     )
+
+
+def set_first_position_scales(model: nn.Module, scales: list[float] | None) -> None:
+    """Gives the norm-free `model` (config and modules) the factors its first positions take at each point (None:
+    none)."""
+    model.config.first_position_scales = scales
+    for index, (norms, _, _) in enumerate(sublayers(model)):
+        norms.first_position_scale = scales[index] if scales else None
 
 
 def _fold_scaled(norm: nn.Module, readers: list[nn.Linear], rms: float) -> None:
@@ -166,4 +176,7 @@ def calibrate_branches(model: nn.Module, source: nn.Module, batches: list[dict])
     set_norm(base.norm, source.base_model.norm)
     if model.config.final_scale:
         base.norm.weight.div_(rms[-1])
+    if removes_norms(model.config):
+        first = stream_rms(source, batches, first_only=True)
+        set_first_position_scales(model, [median / at_first for median, at_first in zip(rms, first)])
     return BranchCalibration(branch_gains=gains, stream_rms=rms)

@@ -146,6 +146,7 @@ def _calibrate_model(
         )
         if removes_norms(target):
             target.removed_norm_rms = model.config.removed_norm_rms = calibration.stream_rms
+            target.first_position_scales = model.config.first_position_scales
             into = "folded the pre-LN norms into the layers reading the stream, the final norm into a fixed scale"
             if not _finite_on(model, batches[0]):
                 into += (

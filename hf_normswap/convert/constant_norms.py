@@ -26,9 +26,15 @@ def constant_norm_config(config: NormSwapConfig) -> NormSwapConfig:
                 f"{field}=True: the native classes have one norm epsilon, and the {norms} would take the norm-free "
                 f"export's {CONSTANT_NORM_EPS:.0f}"
             )
+    if config.first_position_scales:
+        raise ConversionError(
+            "first_position_scales: the native classes have no scale for a sequence's first position; a norm-free "
+            "model exports once healing has removed them"
+        )
     fields = config.to_dict()
     fields.update(norm_placement="pre", final_norm=True, final_scale=False, norm_eps=CONSTANT_NORM_EPS)
     fields.pop("removed_norm_rms", None)
+    fields.pop("first_position_scales", None)
     return NormSwapConfig.from_dict(fields)
 
 

@@ -80,9 +80,10 @@ def sublayers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear], nn.Lin
 
 
 @torch.no_grad()
-def stream_rms(source: nn.Module, batches: list[dict]) -> list[float]:
-    """The median over the real tokens of `batches` of what each of the pre-LN source's reading norms divides by (its
-    input's RMS for RMSNorm, its standard deviation for LayerNorm), in forward order, the final norm last."""
+def stream_rms(source: nn.Module, batches: list[dict], first_only: bool = False) -> list[float]:
+    """The median over the real tokens of `batches` (`first_only`: each text's first) of what each of the pre-LN
+    source's reading norms divides by (its input's RMS for RMSNorm, its standard deviation for LayerNorm), in forward
+    order, the final norm last."""
     norms = [norms.input_norm for norms, _, _ in sublayers(source)] + [source.base_model.norm]
     samples, real = {norm: MedianSample() for norm in norms}, {}
 
@@ -98,6 +99,8 @@ def stream_rms(source: nn.Module, batches: list[dict]) -> list[float]:
         with evaluation_mode(source):
             for batch in batches:
                 real["mask"] = batch["attention_mask"].bool()
+                if first_only:
+                    real["mask"] = real["mask"] & (real["mask"].cumsum(-1) == 1)
                 source.base_model(**batch)
     finally:
         for hook in hooks:

@@ -9,13 +9,15 @@ mixes the two by the share k of its norm kept:
 k = 1 everywhere is the source, k = 0 the norm-free student. Over the first half of the steps k goes from 1 to 0 at
 every point at once (`gate`), one layer after another, the final norm last (`layers`), or a group at a time: the MLPs'
 norms, then attention's, then the final norm (`stages`, Baroni's order). Before the first step (where the healing
-measures the student as it starts) every k is 0.
+measures the student as it starts) every k is 0. A first position's own divisors (`first_position_scales`, factors
+c on its input) are removed last, over the second half of the steps (c to 1), and the saved student has none.
 """
 
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ..convert.branch_calibration import set_first_position_scales
 from .options import HealError
 
 
@@ -45,6 +47,7 @@ class NormRemoval(TrainerCallback):
         ]
         final = len(points)
         self.hooks.append(base.norm.register_forward_pre_hook(lambda _, args: (self._mixed(args[0], final),)))
+        self.model, self.first_scales = base, base.config.first_position_scales
 
     def _mixed(self, states: torch.Tensor, point: int) -> torch.Tensor:
         kept = self.kept[point].item()
@@ -57,6 +60,9 @@ class NormRemoval(TrainerCallback):
     def set_step(self, step: int) -> None:
         """Sets each point's kept share for training step `step`."""
         progress = min(1.0, step / self.opening_steps)
+        if self.first_scales:  # over the second half: each factor c from c to 1
+            left = 1 - min(1.0, max(0.0, step / self.opening_steps - 1))
+            set_first_position_scales(self.model, [1 + (scale - 1) * left for scale in self.first_scales])
         if self.schedule == "gate":
             self.kept.fill_(1 - progress)
             return
@@ -71,5 +77,8 @@ class NormRemoval(TrainerCallback):
         self.set_step(state.global_step)
 
     def remove(self) -> None:
+        """Takes the hooks away, and the first position's divisors: the student is norm-free."""
         for hook in self.hooks:
             hook.remove()
+        if self.first_scales:
+            set_first_position_scales(self.model, None)

@@ -93,6 +93,11 @@ _NORM_AND_POSITION_CHECKS = (
         "False leaves out the first layer's attention input norm, which its placement "
         "{config.layer_norm_placements[0]!r} does not have",
     ),
+    (
+        "first_position_scales",
+        lambda value, config: value is None or len(value) == 2 * config.num_hidden_layers + 1,
+        "one per sublayer and one before the head ({config.num_hidden_layers} layers), or None",
+    ),  # fmt: skip
     ("norm_type", lambda value, config: value in NORM_TYPES, f"allowed types are {list(NORM_TYPES)}"),
     ("norm_eps", lambda value, config: value > 0, "must be positive"),
     ("dyt_alpha_init", lambda value, config: value > 0, "must be positive"),
@@ -182,7 +187,8 @@ class NormSwapConfig(PreTrainedConfig):
     final_scale (`bool`, *optional*):
         A fixed per-feature scale (LayerNorm models: centring and shift too), no norm, in place of the final norm.
         Default: when the last layer's placement is `"none"`. `removed_norm_rms` records (read by nothing) what the
-        norms a norm-free conversion removed divided by: the source's median stream RMS at each, in forward order.
+        norms a norm-free conversion removed divided by: the source's median stream RMS at each, in forward order;
+        `first_position_scales` multiply each sequence's first position there (its own divisor: r / r at position 0).
     first_attention_input_norm (`bool`, defaults to `True`):
         Whether the first layer's attention has its input norm (ModernBERT's has not: its embedding norm's output).
     embedding_size (`int`, *optional*):
@@ -205,17 +211,11 @@ class NormSwapConfig(PreTrainedConfig):
     qk_norm (`bool`, defaults to `False`) / qk_norm_scope (`str`, defaults to `"head"`):
         A norm of `norm_type` on queries and keys, before rope, of each head (Qwen3, Gemma 3) or the whole projection
         (`"projection"`, OLMo 2).
-    query_pre_attn_scalar (`float`, *optional*):
-        Attention scores are scaled by `query_pre_attn_scalar ** -0.5` instead of `head_dim ** -0.5` (Gemma).
-    attn_logit_softcapping / final_logit_softcapping (`float`, *optional*):
-        Soft-capping c * tanh(x / c) of the attention scores (eager, flash and flex; not sdpa) and of the causal LM's
-        logits (Gemma 2).
-    embedding_multiplier (`float`, defaults to 1.0):
-        Scales the token embeddings, in the model's dtype (Gemma's sqrt(hidden_size)).
-    mlp_type (`str`, defaults to `"standard"`):
-        `"standard"` (up, act, down) or `"glu"` (down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu).
-    classifier_pooling (`str`, defaults to `"cls"`):
-        Sequence classification pooling: `"cls"` (the first token), `"mean"` or `"last"` (last non-padding token).
+    query_pre_attn_scalar, attn_logit_softcapping, final_logit_softcapping, embedding_multiplier (Gemma's):
+        Scores scaled by `query_pre_attn_scalar ** -0.5` instead of `head_dim ** -0.5`; soft-capping c * tanh(x / c) of
+        the attention scores (eager, flash, flex) and the causal LM's logits; token embeddings times a multiplier.
+    mlp_type (`str`, defaults to `"standard"`): `"standard"` (up, act, down) or `"glu"` (down(act(gate(x)) * up(x))).
+    classifier_pooling (`str`, defaults to `"cls"`): `"cls"` (the first token), `"mean"` or `"last"` (last real token).
     classifier_activation (`str`, *optional*):
         Activation of the dense layer between pooling and classifier; `None` for no dense layer. Default: `"tanh"`
         with `"cls"` pooling (BERT's pooler), none with `"mean"` and `"last"`.
@@ -253,6 +253,7 @@ class NormSwapConfig(PreTrainedConfig):
     final_norm: bool | None = None
     final_scale: bool | None = None
     removed_norm_rms: list[float] | None = None
+    first_position_scales: list[float] | None = None
     first_attention_input_norm: bool = True
     embedding_size: int | None = None
 
@@ -352,13 +353,11 @@ class NormSwapConfig(PreTrainedConfig):
         return plan
 
     @property
-    def deepnorm_alpha(self) -> float:
-        """DeepNet's residual scale for an encoder of L layers: (2L)^(1/4)."""
+    def deepnorm_alpha(self) -> float:  # DeepNet's residual scale for an encoder of L layers: (2L)^(1/4)
         return (2 * self.num_hidden_layers) ** 0.25
 
     @property
-    def deepnorm_beta(self) -> float:
-        """DeepNet's init scale of the value, output and feed-forward projections: (8L)^(-1/4)."""
+    def deepnorm_beta(self) -> float:  # DeepNet's init scale of value, output and feed-forward weights: (8L)^(-1/4)
         return (8 * self.num_hidden_layers) ** -0.25
 
     def _check_fields(self) -> None:

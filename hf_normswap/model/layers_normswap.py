@@ -214,9 +214,11 @@ class NormSwapLayer(GradientCheckpointingLayer):
         self.self_attn = NormSwapAttention(config, layer_idx)
         attention_input_norm = layer_idx > 0 or config.first_attention_input_norm
         depth = layer_idx + 1
-        self.attention_norms = ResidualNorms(config, placement, depth=depth, input_norm=attention_input_norm)
+        self.attention_norms = ResidualNorms(
+            config, placement, depth=depth, point=2 * layer_idx, input_norm=attention_input_norm
+        )
         self.mlp = MLP_CLASSES[config.mlp_type](config)
-        self.mlp_norms = ResidualNorms(config, placement, depth=depth)
+        self.mlp_norms = ResidualNorms(config, placement, depth=depth, point=2 * layer_idx + 1)
         beta = config.deepnorm_beta if placement == "deepnorm" else 1.0
         attention = self.self_attn
         for linear in (attention.q_proj, attention.k_proj):
@@ -231,9 +233,10 @@ class NormSwapLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
+        first_positions: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        attn_input = self.attention_norms.normalize_input(hidden_states)
+        attn_input = self.attention_norms.normalize_input(hidden_states, first_positions)
         attn_output, _ = self.self_attn(
             attn_input,
             attention_mask=attention_mask,
@@ -242,7 +245,7 @@ class NormSwapLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         hidden_states = self.attention_norms.add_residual(hidden_states, attn_output)
-        mlp_output = self.mlp(self.mlp_norms.normalize_input(hidden_states))
+        mlp_output = self.mlp(self.mlp_norms.normalize_input(hidden_states, first_positions))
         return self.mlp_norms.add_residual(hidden_states, mlp_output)
 
 

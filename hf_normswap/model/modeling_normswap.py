@@ -35,7 +35,7 @@ from .layers_normswap import (
     NormSwapMaskedLMHead,
     NormSwapPooler,
 )
-from .norms_normswap import NormSwapDyT, NormSwapFixedScale, ResidualNorms, build_norm
+from .norms_normswap import NormSwapDyT, NormSwapFixedScale, ResidualNorms, build_norm, scale_first_positions
 from .packed_sequences_normswap import (
     flash_varlen_kwargs,
     mask_padding,
@@ -44,7 +44,7 @@ from .packed_sequences_normswap import (
     positions_in_sequence,
     unpack_sequences,
 )
-from .positions_normswap import NormSwapRotaryEmbedding
+from .positions_normswap import NormSwapRotaryEmbedding, rotary_by_layer_type
 
 
 # The key/value cache's name in Transformers' forwards, mask builders and outputs: `past_key_values` before 5.24.
@@ -163,16 +163,22 @@ class NormSwapModel(NormSwapPreTrainedModel):
             input_ids=input_ids, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids, position_ids=position_ids
         )
         masks = self._attention_masks(hidden_states, attention_mask, cache, sequence_ids)
-        position_embeddings = self._position_embeddings(hidden_states, position_ids)
+        layer_types = self.config.layer_types
+        position_embeddings = rotary_by_layer_type(self.rotary_emb, hidden_states, position_ids, layer_types)
 
+        scales = self.config.first_position_scales
+        first_positions = position_ids == 0 if scales else None
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
                 attention_mask=masks[layer.attention_type],
                 position_embeddings=position_embeddings[layer.attention_type],
                 cache=cache,
+                first_positions=first_positions,
                 **kwargs,
             )
+        if scales:
+            hidden_states = scale_first_positions(hidden_states, first_positions, scales[-1])
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: cache})
 
     def _attention_masks(self, inputs_embeds, attention_mask, cache, sequence_ids) -> dict:
@@ -197,18 +203,6 @@ class NormSwapModel(NormSwapPreTrainedModel):
                 "sliding_attention": create_bidirectional_sliding_window_mask,
             }
         return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in set(self.config.layer_types)}
-
-    def _position_embeddings(self, hidden_states, position_ids) -> dict:
-        """The rotary cos/sin of each layer type (None without rope)."""
-        layer_types = set(self.config.layer_types)
-        if self.rotary_emb is None:
-            return dict.fromkeys(layer_types)
-        if self.rotary_emb.by_layer_type:
-            return {
-                layer_type: self.rotary_emb(hidden_states, position_ids=position_ids, layer_type=layer_type)
-                for layer_type in layer_types
-            }
-        return dict.fromkeys(layer_types, self.rotary_emb(hidden_states, position_ids=position_ids))
 
 
 class NormSwapForMaskedLM(NormSwapPreTrainedModel):

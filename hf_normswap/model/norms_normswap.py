@@ -45,6 +45,12 @@ def build_norm(config: NormSwapConfig, size: int) -> nn.Module:
     return nn.LayerNorm(size, eps=config.norm_eps, bias=config.norm_bias)
 
 
+def scale_first_positions(hidden_states: torch.Tensor, first_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """`hidden_states` with each sequence's first position (`first_positions`, True there) times `scale`."""
+    factor = torch.where(first_positions[..., None], scale, 1.0)
+    return hidden_states * factor.to(hidden_states.dtype)
+
+
 def input_scale(placement: str, depth: int) -> float:
     """What the input norm's output is multiplied by in a layer of `placement` at depth 1, 2, ...: 1/sqrt(depth) for
     LayerNorm Scaling (`lns`), else 1."""
@@ -76,8 +82,10 @@ class ResidualNorms(nn.Module):
     `residual_weight`; `input_scale` is 1, or 1/sqrt(depth) for LayerNorm Scaling.
     """
 
-    def __init__(self, config: NormSwapConfig, placement: str, depth: int, input_norm: bool = True):
+    def __init__(self, config: NormSwapConfig, placement: str, depth: int, point: int, input_norm: bool = True):
         super().__init__()
+        scales = config.first_position_scales  # norm-free: what the first position's input is multiplied by
+        self.first_position_scale = scales[point] if scales else None
         slots = NORM_PLACEMENTS[placement] - (set() if input_norm else {"input_norm"})
         self.input_norm = build_norm(config, size=config.hidden_size) if "input_norm" in slots else nn.Identity()
         self.output_norm = build_norm(config, size=config.hidden_size) if "output_norm" in slots else nn.Identity()
@@ -87,7 +95,9 @@ class ResidualNorms(nn.Module):
         self.residual_weight = nn.Parameter(torch.ones(config.hidden_size)) if placement == "admin" else None
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def normalize_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def normalize_input(self, hidden_states: torch.Tensor, first_positions: torch.Tensor | None = None):
+        if first_positions is not None and self.first_position_scale is not None:
+            hidden_states = scale_first_positions(hidden_states, first_positions, self.first_position_scale)
         hidden_states = self.input_norm(hidden_states)
         return hidden_states if self.input_scale == 1.0 else hidden_states * self.input_scale
 

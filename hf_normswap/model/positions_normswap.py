@@ -110,6 +110,19 @@ class NormSwapRotaryEmbedding(nn.Module):
         return (emb.cos() * attention_scaling).to(x.dtype), (emb.sin() * attention_scaling).to(x.dtype)
 
 
+def rotary_by_layer_type(rotary: NormSwapRotaryEmbedding | None, hidden_states, position_ids, layer_types) -> dict:
+    """The rotary cos/sin of each of `layer_types` (None without rope)."""
+    layer_types = set(layer_types)
+    if rotary is None:
+        return dict.fromkeys(layer_types)
+    if rotary.by_layer_type:
+        return {
+            layer_type: rotary(hidden_states, position_ids=position_ids, layer_type=layer_type)
+            for layer_type in layer_types
+        }
+    return dict.fromkeys(layer_types, rotary(hidden_states, position_ids=position_ids))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
