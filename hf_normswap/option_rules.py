@@ -27,13 +27,14 @@ def check_options(options, error: type[Exception]) -> None:
                 raise error(f"{item.name}={value!r} is invalid: {rule.allowed}")
 
 
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def whole(value, low: int, high: float = math.inf) -> bool:
+    """Whether `value` is a whole number from `low` to `high`."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def at_least(low: int, allowed: str | None = None) -> Rule:
     """A whole number of at least `low`, or None (left open)."""
-    return Rule(lambda value, _: value is None or (_whole(value) and value >= low), allowed or f"at least {low}")
+    return Rule(lambda value, _: value is None or whole(value, low), allowed or f"at least {low}")
 
 
 def positive(allowed: str = "must be positive") -> Rule:

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_normswap import smollm2_gguf
+from hf_normswap.probes.probe_data import sampled_batches
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<pad>"]  # EOS, BOS, padding
@@ -34,20 +35,7 @@ def sample_corpus(path: Path, texts: int, group: int = 64, length: int = 64) -> 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     lines, started = [], time.perf_counter()
     for index in range(math.ceil(texts / group)):
-        torch.manual_seed(index)
-        starts = torch.full((group, 1), tokenizer.bos_token_id)
-        with torch.no_grad():
-            ids = model.generate(
-                starts,
-                attention_mask=torch.ones_like(starts),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                min_new_tokens=length,
-                max_new_tokens=length,
-                pad_token_id=tokenizer.eos_token_id,
-            )
+        ids = sampled_batches(model, tokenizer, count=group, length=length + 1, seed=index)[0]["input_ids"]
         lines += [" ".join(text.split()) for text in tokenizer.batch_decode(ids[:, 1:], skip_special_tokens=True)]
         print(f"sampled {len(lines)} texts in {time.perf_counter() - started:.0f} s", flush=True)
     path.write_text("\n".join(lines) + "\n")

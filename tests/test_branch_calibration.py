@@ -45,11 +45,12 @@ def _logits(model, input_ids):
         return model(input_ids).logits
 
 
-@pytest.mark.parametrize("placement", BRANCH_PLACEMENTS)
+@pytest.mark.parametrize("placement", [*BRANCH_PLACEMENTS, "none"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_branch_calibration_exact_when_every_token_writes_alike(tmp_path, family, placement):
     # One token per sequence, all the same: every write has one size and every stream point one RMS, so the fitted
-    # gains and the folded readers (GPT-2: LayerNorm's centring and biases too) give the source's function exactly.
+    # gains and the folded readers (GPT-2: LayerNorm's centring and biases too), and norm-free's fixed final scale,
+    # give the source's function exactly.
     head = "ForCausalLM" if family == "llama" else "LMHeadModel"
     save_source(tmp_path / "source", family, head, initializer_range=0.2)
     convert_checkpoint(
@@ -66,10 +67,10 @@ def test_branch_calibration_exact_when_every_token_writes_alike(tmp_path, family
     expected = _logits(source, batch["input_ids"])
     assert (_logits(model, batch["input_ids"]) - expected).abs().max() > 0.01 * expected.abs().max()
     record = calibrate_branches(model, source, [batch])
-    assert sorted(record.branch_gains) == [
-        f"layers.{i}.{s}" for i in range(2) for s in ("attention_norms", "mlp_norms")
-    ]
-    assert (record.stream_rms is not None) == (placement == "output")
+    branches = [f"layers.{i}.{s}" for i in range(2) for s in ("attention_norms", "mlp_norms")]
+    branches = [] if placement == "none" else branches
+    assert sorted(record.branch_gains) == branches
+    assert len(record.stream_rms or []) == (0 if placement == "sandwich" else 2 * 2 + 1)
     assert (_logits(model, batch["input_ids"]) - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 

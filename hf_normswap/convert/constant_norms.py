@@ -34,7 +34,6 @@ def constant_norm_config(config: NormSwapConfig) -> NormSwapConfig:
     fields = config.to_dict()
     fields.update(norm_placement="pre", final_norm=True, final_scale=False, norm_eps=CONSTANT_NORM_EPS)
     fields.pop("removed_norm_rms", None)
-    fields.pop("first_position_scales", None)
     return NormSwapConfig.from_dict(fields)
 
 

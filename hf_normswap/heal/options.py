@@ -3,7 +3,7 @@ checks."""
 
 from dataclasses import dataclass, field, replace
 
-from ..option_rules import Rule, at_least, check_options, positive
+from ..option_rules import Rule, at_least, check_options, positive, whole
 from ..sharding import ShardingOptions, sharding_section
 
 
@@ -170,10 +170,7 @@ class HealOptions:
         metadata={
             "rules": (
                 Rule(
-                    lambda value, options: (
-                        not options.reconstruct_steps
-                        or (at_least(RECONSTRUCTION_BATCH_SIZE).test(value, options) and value is not None)
-                    ),
+                    lambda value, options: not options.reconstruct_steps or whole(value, RECONSTRUCTION_BATCH_SIZE),
                     f"too few for the fit: at least {RECONSTRUCTION_BATCH_SIZE}, one batch of its steps",
                 ),
             ),
@@ -224,9 +221,7 @@ class HealOptions:
         metadata={
             "rules": (
                 Rule(
-                    lambda value, options: (
-                        at_least(1).test(value, options) and value is not None and value <= DEVELOPMENT_TEXTS
-                    ),
+                    lambda value, options: whole(value, 1, DEVELOPMENT_TEXTS),
                     f"1 to {DEVELOPMENT_TEXTS}",
                 ),
             ),

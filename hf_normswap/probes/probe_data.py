@@ -63,7 +63,7 @@ def sampled_batches(model: torch.nn.Module, tokenizer, count: int = 16, length: 
     token 0), one batch, the same for a seed, no longer than the model's positions; the global generator is left as it
     was."""
     config = model.config
-    length = min(length, config.max_position_embeddings - config.position_offset)
+    length = min(length, config.max_position_embeddings - getattr(config, "position_offset", 0))
     start = next((token for token in (config.bos_token_id, config.eos_token_id) if isinstance(token, int)), 0)
     if tokenizer is not None:
         start = next((token for token in (tokenizer.bos_token_id, tokenizer.eos_token_id) if token is not None), start)
