@@ -6,7 +6,12 @@ its norms kept is the source itself (it starts at KL 0, where every gradient is 
 Then `export-native` writes it as the family's own class, whose logits on the same texts are compared with the
 variant's (target: within 1e-5 of their largest magnitude).
 
-    python scripts/bench_norm_free.py MODEL [--max-tokens N] [--json F]
+    python scripts/bench_norm_free.py MODEL [--max-tokens N] [--swap-schedule S] [--learning-rate X] [--json F]
+    python scripts/bench_norm_free.py MODEL --removal-costs
+
+`--removal-costs` heals nothing: on 32 of the texts it measures the converted variant's KL with the norms given back
+(heal's NormRemoval) but for one layer's, for each layer, and with every norm kept at a share k, as a staged healing
+passes through them.
 
 MODEL: a folder of a LLaMA-family causal LM (e.g. from scripts/pretrain_small_llama.py), or smollm2. Prints each
 stage's seconds and this CPU's float32 matrix-product rate, by which to scale them.
@@ -26,7 +31,9 @@ from hf_normswap import convert_checkpoint
 from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.export import export_native
 from hf_normswap.convert.gguf import shipped_model
+from hf_normswap.heal.norm_removal import NormRemoval
 from hf_normswap.model.heads import HEAD_CLASSES
+from hf_normswap.probes.next_token import next_token_agreement
 
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,7 +61,27 @@ def export_difference(variant: torch.nn.Module, native: torch.nn.Module, batches
     return difference / largest
 
 
-def bench(model: str, work: Path, max_tokens: int | None) -> dict:
+def removal_costs(source: str, converted: Path, batch: dict, shares=(0.9, 0.75, 0.5)) -> dict:
+    """The KL of the converted variant from SOURCE on `batch` with its norms given back at the shares named."""
+    teacher = load_unswapped(source, head="causal-lm")
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(converted)
+    removal = NormRemoval(student, student.config.removed_norm_rms, "layers", max_steps=2)
+
+    def kl(kept: torch.Tensor) -> float:
+        removal.kept.copy_(kept)
+        return next_token_agreement(teacher, student, [batch])["kl"]
+
+    points, costs = len(removal.kept), {"one_layer_removed": {}, "every_norm_at_share": {}}
+    for layer in range(removal.layers):
+        kept = torch.ones(points)
+        kept[2 * layer : 2 * layer + 2] = 0
+        costs["one_layer_removed"][layer] = kl(kept)
+    for share in shares:
+        costs["every_norm_at_share"][share] = kl(torch.full((points,), share))
+    return costs
+
+
+def bench(model: str, work: Path, **heal_options) -> dict:
     source, seconds = shipped_model(model), {}
     started = time.perf_counter()
     converted = work / "converted-none"
@@ -62,9 +89,10 @@ def bench(model: str, work: Path, max_tokens: int | None) -> dict:
     seconds["convert"] = time.perf_counter() - started
     batches = held_out_texts(source, converted)
     row = {"converted": measured(source, converted, batches)}
-    row["defaults"] = heal_once(
-        source, converted, work / "healed", batches, **({"max_tokens": max_tokens} if max_tokens else {})
-    )
+    if heal_options.pop("removal_costs"):
+        return {**row, "removal_costs": removal_costs(source, converted, batches[0]), "seconds": seconds}
+    options = {key: value for key, value in heal_options.items() if value is not None}
+    row["defaults"] = heal_once(source, converted, work / "healed", batches, **options)
     seconds["heal"] = row["defaults"]["seconds"]
     teacher = load_unswapped(source, head="causal-lm")
     student = HEAD_CLASSES["causal-lm"].from_pretrained(work / "healed")
@@ -86,16 +114,47 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--swap-schedule", help="heal's, e.g. stages (default: heal's)")
+    parser.add_argument("--learning-rate", type=float, help="default: heal's")
+    parser.add_argument(
+        "--removal-costs", action="store_true", help="measure what removing each norm costs; no healing"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     rate = _matrix_product_rate()
     print(f"this CPU's float32 matrix products: {rate / 1e9:.0f} GFLOP/s", flush=True)
     with tempfile.TemporaryDirectory() as folder:
-        row = bench(args.model, Path(folder), args.max_tokens)
-    converted, healed, entropy, export = row["converted"], row["defaults"], row["cross_entropy"], row["export"]
-    print(f"{args.model} none converted: KL {converted['kl']:.4f}, top-1 {converted['top1']:.3f}")
+        row = bench(
+            args.model,
+            Path(folder),
+            max_tokens=args.max_tokens,
+            swap_schedule=args.swap_schedule,
+            learning_rate=args.learning_rate,
+            removal_costs=args.removal_costs,
+        )
+    print(f"{args.model} none converted: KL {row['converted']['kl']:.4f}, top-1 {row['converted']['top1']:.3f}")
+    if args.removal_costs:
+        costs = row["removal_costs"]
+        print("KL with one layer's norms removed, the others kept, by layer:")
+        print(" ".join(f"{layer}: {kl:.3g}" for layer, kl in costs["one_layer_removed"].items()))
+        print(
+            "KL with every norm kept at a share: "
+            + ", ".join(f"{k}: {kl:.3g}" for k, kl in costs["every_norm_at_share"].items())
+        )
+    else:
+        print_healed(args.model, row)
+    print("seconds: " + ", ".join(f"{stage} {value:.0f}" for stage, value in row["seconds"].items()))
+    rate = max(rate, _matrix_product_rate())
+    print(f"this CPU's float32 matrix products, after: {rate / 1e9:.0f} GFLOP/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gflops": rate / 1e9, "model": args.model, **row}, indent=1) + "\n")
+
+
+def print_healed(model: str, row: dict) -> None:
+    healed, entropy, export = row["defaults"], row["cross_entropy"], row["export"]
     print(
-        f"{args.model} none healed with the defaults: KL {healed['kl']:.4f}, top-1 {healed['top1']:.3f}, "
+        f"{model} none healed ({healed['options'] or 'the defaults'}): KL {healed['kl']:.4f}, "
+        f"top-1 {healed['top1']:.3f}, "
         "KL by position "
         + " / ".join(
             f"{healed['kl_by_position'].get(key, float('nan')):.3f}" for key in ("0", "1", "2-3", "4-15", "16-63")
@@ -109,11 +168,6 @@ def main() -> None:
     print(
         f"export: {export['class']}, logits within {export['relative_difference']:.2e} of their largest (target 1e-5)"
     )
-    print("seconds: " + ", ".join(f"{stage} {value:.0f}" for stage, value in row["seconds"].items()))
-    rate = max(rate, _matrix_product_rate())
-    print(f"this CPU's float32 matrix products, after: {rate / 1e9:.0f} GFLOP/s")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"gflops": rate / 1e9, "model": args.model, **row}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 al. 2025, who remove GPT-2's LayerNorms in stages). The conversion folded each removed norm into its readers over the
 source's median stream RMS r there (`removed_norm_rms`); multiplying the readers' input x by r / rms(x) (LayerNorm:
 the RMS of the centred x, epsilon as the source's) gives back the source's per-token division exactly. Each point
-mixes the two by the share k of its norm kept:
+mixes the two divisors by the share k of its norm kept:
 
-    x -> x * (k * r / rms(x) + 1 - k)
+    x -> x * r / (k * rms(x) + (1 - k) * r)
+
+Mixing the outputs instead, x * (k * r / rms(x) + 1 - k), lets a small norm-free share multiply a sink's stream:
+SmolLM2 overflows at k = 0.75 that way, where the divisors' mix stays within KL 0.09 of the source.
 
 k = 1 everywhere is the source, k = 0 the norm-free student. Over the first half of the steps k goes from 1 to 0 at
 every point at once (`gate`), one layer after another, the final norm last (`layers`), or a group at a time: the MLPs'
@@ -55,7 +58,8 @@ class NormRemoval(TrainerCallback):
             return states
         spread = states - states.mean(-1, keepdim=True) if self.centred else states
         rms = (spread.float().pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
-        return states * (kept * self.removed_rms[point] / rms + 1 - kept).to(states.dtype)
+        removed = self.removed_rms[point]
+        return states * (removed / (kept * rms + (1 - kept) * removed)).to(states.dtype)
 
     def set_step(self, step: int) -> None:
         """Sets each point's kept share for training step `step`."""
