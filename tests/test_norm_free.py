@@ -213,6 +213,23 @@ def test_norm_removal_with_every_norm_kept_is_the_source(norm_free):
         removal.remove()
 
 
+def test_norm_removal_mixes_the_divisors(norm_free):
+    """A share k of a removed norm kept divides by k rms(x) + (1 - k) r: a stream far above the median r (a sink) comes
+    out at most r / k, never (1 - k) times its own size, and every share leaves the direction alone."""
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / "llama-none")
+    removal = NormRemoval(model, model.config.removed_norm_rms, "gate", max_steps=12)
+    removed = removal.removed_rms[0]
+    sink = torch.randn(1, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 1000 * removed
+    for kept in (0.94, 0.5, 0.1):
+        removal.kept.fill_(kept)
+        out = removal._mixed(sink, 0)
+        rms, out_rms = sink.pow(2).mean(-1).sqrt(), out.pow(2).mean(-1).sqrt()
+        torch.testing.assert_close(out_rms, removed * rms / (kept * rms + (1 - kept) * removed), rtol=1e-5, atol=0)
+        assert (out_rms <= removed / kept * (1 + 1e-5)).all()
+        torch.testing.assert_close(torch.cosine_similarity(out, sink, dim=-1), torch.ones(1, 3))
+    removal.remove()
+
+
 @pytest.mark.parametrize(
     ("schedule", "step", "kept"),
     [

@@ -7,7 +7,7 @@ mixes the two divisors by the share k of its norm kept:
     x -> x * r / (k * rms(x) + (1 - k) * r)
 
 Mixing the outputs instead, x * (k * r / rms(x) + 1 - k), lets a small norm-free share multiply a sink's stream:
-SmolLM2 overflows at k = 0.75 that way, where the divisors' mix stays within KL 0.09 of the source.
+SmolLM2 overflows at k = 0.75 that way, where the divisors' mix stays within KL 0.10 of the source.
 
 k = 1 everywhere is the source, k = 0 the norm-free student. Over the first half of the steps k goes from 1 to 0 at
 every point at once (`gate`), one layer after another, the final norm last (`layers`), or a group at a time: the MLPs'
