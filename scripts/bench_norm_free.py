@@ -81,7 +81,7 @@ def removal_costs(source: str, converted: Path, batch: dict, shares=(0.9, 0.75, 
     return costs
 
 
-def bench(model: str, work: Path, **heal_options) -> dict:
+def bench(model: str, work: Path, costs_only: bool = False, **heal_options) -> dict:
     source, seconds = shipped_model(model), {}
     started = time.perf_counter()
     converted = work / "converted-none"
@@ -89,7 +89,7 @@ def bench(model: str, work: Path, **heal_options) -> dict:
     seconds["convert"] = time.perf_counter() - started
     batches = held_out_texts(source, converted)
     row = {"converted": measured(source, converted, batches)}
-    if heal_options.pop("removal_costs"):
+    if costs_only:
         return {**row, "removal_costs": removal_costs(source, converted, batches[0]), "seconds": seconds}
     options = {key: value for key, value in heal_options.items() if value is not None}
     row["defaults"] = heal_once(source, converted, work / "healed", batches, **options)
@@ -130,7 +130,7 @@ def main() -> None:
             max_tokens=args.max_tokens,
             swap_schedule=args.swap_schedule,
             learning_rate=args.learning_rate,
-            removal_costs=args.removal_costs,
+            costs_only=args.removal_costs,
         )
     print(f"{args.model} none converted: KL {row['converted']['kl']:.4f}, top-1 {row['converted']['top1']:.3f}")
     if args.removal_costs:
