@@ -150,8 +150,8 @@ def _calibrate_model(
             into = "folded the pre-LN norms into the layers reading the stream, the final norm into a fixed scale"
             if not _finite_on(model, batches[0]):
                 into += (
-                    "; WARNING: its outputs overflow on the calibration texts (a first position whose stream the "
-                    "source's norms kept in check grows unchecked: docs/interpretability.md)"
+                    "; WARNING: its outputs overflow on the calibration texts (fixed divisors let the streams the "
+                    "source's norms kept in check grow unchecked: docs/interpretability.md)"
                 )
         return calibration.branch_gains, {}, None, into
     sources = fitted_sources(target, norm_sources, norm_slots(source_model.config), sublayers)
