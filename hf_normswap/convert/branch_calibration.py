@@ -62,11 +62,9 @@ def calibrates_branches(plain: NormSwapConfig, target: NormSwapConfig) -> bool:
 
 
 def set_first_position_scales(model: nn.Module, scales: list[float] | None) -> None:
-    """Gives the norm-free `model` (config and modules) the factors its first positions take at each point (None:
-    none)."""
+    """Gives the norm-free `model` the factors its first positions take at each point (None: none); its modules read
+    them from its config."""
     model.config.first_position_scales = scales
-    for index, (norms, _, _) in enumerate(sublayers(model)):
-        norms.first_position_scale = scales[index] if scales else None
 
 
 def _fold_scaled(norm: nn.Module, readers: list[nn.Linear], rms: float) -> None:

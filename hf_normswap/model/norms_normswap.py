@@ -84,8 +84,7 @@ class ResidualNorms(nn.Module):
 
     def __init__(self, config: NormSwapConfig, placement: str, depth: int, point: int, input_norm: bool = True):
         super().__init__()
-        scales = config.first_position_scales  # norm-free: what the first position's input is multiplied by
-        self.first_position_scale = scales[point] if scales else None
+        self.config, self.point = config, point  # norm-free: config.first_position_scales[point] scales position 0
         slots = NORM_PLACEMENTS[placement] - (set() if input_norm else {"input_norm"})
         self.input_norm = build_norm(config, size=config.hidden_size) if "input_norm" in slots else nn.Identity()
         self.output_norm = build_norm(config, size=config.hidden_size) if "output_norm" in slots else nn.Identity()
@@ -96,8 +95,9 @@ class ResidualNorms(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def normalize_input(self, hidden_states: torch.Tensor, first_positions: torch.Tensor | None = None):
-        if first_positions is not None and self.first_position_scale is not None:
-            hidden_states = scale_first_positions(hidden_states, first_positions, self.first_position_scale)
+        if first_positions is not None and self.config.first_position_scales:
+            scale = self.config.first_position_scales[self.point]
+            hidden_states = scale_first_positions(hidden_states, first_positions, scale)
         hidden_states = self.input_norm(hidden_states)
         return hidden_states if self.input_scale == 1.0 else hidden_states * self.input_scale
 
