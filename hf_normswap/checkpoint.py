@@ -101,7 +101,7 @@ def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 class ShardWriter:
     """Writes tensors into safetensors shards of at most `max_shard_bytes`, named and indexed as Transformers does."""
 
-    def __init__(self, folder: Path, max_shard_bytes: int):
+    def __init__(self, folder: Path, max_shard_bytes: float):
         self.folder = folder
         self.max_shard_bytes = max_shard_bytes
         self.pending: dict[str, torch.Tensor] = {}

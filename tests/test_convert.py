@@ -301,6 +301,20 @@ def test_sharded_source_gives_sharded_output_and_dtype(tmp_path):
     assert type(loaded).__name__ == "NormSwapForCausalLM"
 
 
+def test_a_source_of_one_file_gives_one_file_with_the_norms_a_swap_adds(tmp_path):
+    save_source(tmp_path / "source", "llama", "ForCausalLM")
+    report = convert_checkpoint(
+        str(tmp_path / "source"),
+        str(tmp_path / "out"),
+        norm_placement="sandwich",
+        attention="causal",
+        log=lambda _: None,
+    )
+    source_bytes = (tmp_path / "source" / "model.safetensors").stat().st_size
+    assert report["weights"]["files"] == ["model.safetensors"]
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size > source_bytes  # the branch norms
+
+
 # Bad input: one-line errors, nothing left on disk.
 
 

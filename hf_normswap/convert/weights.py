@@ -1,5 +1,6 @@
 """Streaming a source's tensors into the target's names and shards, and initialising what the source lacks."""
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,13 +42,15 @@ class WeightsRecord:
 
 
 def write_weights(*, plan: ConversionPlan, folder: Path) -> WeightsRecord:
-    """Writes the target's weights into FOLDER, in shards no larger than the source's largest weight file."""
+    """Writes the target's weights into FOLDER: one file from a source of one, else shards no larger than the
+    source's largest weight file."""
     head_class = HEAD_CLASSES[plan.head]
     with torch.device("meta"):
         expected = head_class(plan.target).state_dict()
     tied = set(head_class._tied_weights_keys or {}) if plan.target.tie_word_embeddings else set()
     cast = getattr(torch, plan.dtype) if plan.dtype else None
-    writer = ShardWriter(folder=folder, max_shard_bytes=max(file.stat().st_size for file in plan.files))
+    largest = max(file.stat().st_size for file in plan.files) if len(plan.files) > 1 else math.inf
+    writer = ShardWriter(folder=folder, max_shard_bytes=largest)
     dropped, written, dtypes = [], set(), []
     for name, tensor, file, source_name in _target_tensors(plan, dropped):
         name = local_name(name=name, head=plan.head)
