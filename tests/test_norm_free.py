@@ -10,7 +10,6 @@ from transformers import AutoModelForCausalLM
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
-from hf_normswap.convert.branch_calibration import set_first_position_scales
 from hf_normswap.convert.calibration import _finite_on
 from hf_normswap.convert.constant_norms import CONSTANT_NORM_EPS
 from hf_normswap.convert.converter import ConversionRecord
@@ -38,7 +37,7 @@ def norm_free(tmp_path_factory):
         save_source(folder / family, family, head, initializer_range=0.2)
         convert_checkpoint(str(folder / family), str(folder / f"{family}-none"), norm_placement="none", **QUIET)
         model = HEAD_CLASSES["causal-lm"].from_pretrained(folder / f"{family}-none")
-        set_first_position_scales(model, None)  # as a staged healing leaves it: the native export's input
+        model.config.first_position_scales = None  # as a staged healing leaves it: the native export's input
         shutil.copytree(folder / f"{family}-none", folder / f"{family}-exportable")  # the tokenizer with it
         model.save_pretrained(folder / f"{family}-exportable")
     return folder
@@ -297,5 +296,5 @@ def test_first_position_keeps_its_own_divisors(norm_free, family):
     input_ids[:, 0] = model.config.bos_token_id
     expected = _logits(source, input_ids)[:, 0]
     assert (_logits(model, input_ids)[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
-    set_first_position_scales(model, None)
+    model.config.first_position_scales = None
     assert (_logits(model, input_ids)[:, 0] - expected).abs().max() > 1e-3 * expected.abs().max()

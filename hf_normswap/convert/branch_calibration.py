@@ -61,12 +61,6 @@ def calibrates_branches(plain: NormSwapConfig, target: NormSwapConfig) -> bool:
     )
 
 
-def set_first_position_scales(model: nn.Module, scales: list[float] | None) -> None:
-    """Gives the norm-free `model` the factors its first positions take at each point (None: none); its modules read
-    them from its config."""
-    model.config.first_position_scales = scales
-
-
 def _fold_scaled(norm: nn.Module, readers: list[nn.Linear], rms: float) -> None:
     """Folds the pre-LN `norm` into the `readers` of a stream that no norm reads, for tokens of stream RMS `rms`."""
     fold_norm(norm, readers)
@@ -176,5 +170,5 @@ def calibrate_branches(model: nn.Module, source: nn.Module, batches: list[dict])
         base.norm.weight.div_(rms[-1])
     if removes_norms(model.config):
         first = stream_rms(source, batches, first_only=True)
-        set_first_position_scales(model, [median / at_first for median, at_first in zip(rms, first)])
+        model.config.first_position_scales = [median / at_first for median, at_first in zip(rms, first)]
     return BranchCalibration(branch_gains=gains, stream_rms=rms)

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ..checkpoint import check_output, copy_companion_files, output_folder
-from ..convert.branch_calibration import removes_norms, set_first_position_scales
+from ..convert.branch_calibration import removes_norms
 from ..convert.converter import ConversionRecord
 from ..model import copy_remote_code
 from ..model.heads import head_of_config
@@ -80,7 +80,7 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     stream_rms = conversion_stream_rms(Path(variant))
     models = load_models(variant, options)
     if options.swap_schedule == "direct" and removes_norms(models.student.config):
-        set_first_position_scales(models.student, None)  # every norm at once, the first position's divisors too
+        models.student.config.first_position_scales = None  # every norm at once, the first position's divisors too
     if options.swap_schedule != "direct" and not removes_norms(models.student.config):
         stream_rms = recorded_stream_rms(Path(variant), f"swap_schedule={options.swap_schedule!r}")
     out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))

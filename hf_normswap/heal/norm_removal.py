@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..convert.branch_calibration import set_first_position_scales
 from .options import HealError
 
 
@@ -66,7 +65,7 @@ class NormRemoval(TrainerCallback):
         progress = min(1.0, step / self.opening_steps)
         if self.first_scales:  # over the second half: each factor c from c to 1
             left = 1 - min(1.0, max(0.0, step / self.opening_steps - 1))
-            set_first_position_scales(self.model, [1 + (scale - 1) * left for scale in self.first_scales])
+            self.model.config.first_position_scales = [1 + (scale - 1) * left for scale in self.first_scales]
         if self.schedule == "gate":
             self.kept.fill_(1 - progress)
             return
@@ -85,4 +84,4 @@ class NormRemoval(TrainerCallback):
         for hook in self.hooks:
             hook.remove()
         if self.first_scales:
-            set_first_position_scales(self.model, None)
+            self.model.config.first_position_scales = None
