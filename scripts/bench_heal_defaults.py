@@ -6,12 +6,14 @@ With `--placements post sandwich ...`, each placement is converted and healed so
 each placement's KL is printed over the first's (target for sandwich and output over post: <= 1.25).
 
     python scripts/bench_heal_defaults.py MODEL [MODEL ...] [--sweep] [--max-tokens N] [--batch-sizes 8 32]
-        [--placements post sandwich] [--json F]
+        [--placements post sandwich] [--heal-option reconstruct_steps=0 ...] [--json F]
 
 MODEL: a folder of a LLaMA-family causal LM (e.g. from scripts/pretrain_small_llama.py), or smollm2. Prints, per
 model, each healing's KL, top-1 agreement, KL by position, steps, seconds, and the defaults' KL over the sweep's best
 (target <= 1.25); and this CPU's float32 matrix-product rate, by which to scale the seconds. With `--max-tokens`, the
 defaults and the sweep train on that many tokens (the defaults' other settings, their stop included, as they are).
+With `--heal-option NAME=VALUE` (a `heal_checkpoint` keyword, its value JSON), the first healing of every placement
+takes it instead of the default (a diagnostic: the sweep keeps the defaults).
 """
 
 import argparse
@@ -85,7 +87,13 @@ def heal_once(source: str, converted: Path, folder: Path, batches: list[dict], *
 
 
 def bench(
-    model: str, sweep: bool, work: Path, max_tokens: int | None, batch_sizes: list[int], placements: list[str]
+    model: str,
+    sweep: bool,
+    work: Path,
+    max_tokens: int | None,
+    batch_sizes: list[int],
+    placements: list[str],
+    heal_options: dict,
 ) -> dict:
     source = shipped_model(model)
     results, batches = {"model": model, "placements": {}}, None
@@ -103,7 +111,7 @@ def bench(
         batches = batches or held_out_texts(source, converted)
         row = results["placements"][placement] = {"converted": measured(source, converted, batches)}
         budget = {"max_tokens": max_tokens} if max_tokens else {}
-        row["defaults"] = defaults = heal_once(source, converted, work / "healed", batches, **budget)
+        row["defaults"] = defaults = heal_once(source, converted, work / "healed", batches, **budget, **heal_options)
         _print_row(model, f"{placement} converted", row["converted"], converted=True)
         _print_row(model, f"{placement} defaults", defaults)
         if placement != placements[0]:
@@ -136,6 +144,9 @@ def _print_row(model: str, name: str, row: dict, converted: bool = False) -> Non
         )
         if row.get("fit"):
             line += f"; heal.json's KL {row['fit']['conversion']['kl']:.3f} converted, {row['after_fit']:.3f} fitted"
+            errors = row["fit"].get("layer_errors") or []
+            if errors:
+                line += ", layer errors after fit " + " ".join(f"{after:.3f}" for _, after in errors)
     print(line, flush=True)
 
 
@@ -146,14 +157,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES), help="the sweep's")
     parser.add_argument("--placements", nargs="+", default=["post"], help="converted to and healed, the first swept")
+    parser.add_argument("--heal-option", action="append", default=[], help="NAME=VALUE, the first healings'")
     parser.add_argument("--json")
     args = parser.parse_args()
+    heal_options = {name: json.loads(value) for name, value in (option.split("=", 1) for option in args.heal_option)}
     rate = _matrix_product_rate()
     print(f"this CPU's float32 matrix products: {rate / 1e9:.0f} GFLOP/s")
     results = []
     for model in args.models:
         with tempfile.TemporaryDirectory() as folder:
-            results.append(bench(model, args.sweep, Path(folder), args.max_tokens, args.batch_sizes, args.placements))
+            bench_args = (args.sweep, Path(folder), args.max_tokens, args.batch_sizes, args.placements, heal_options)
+            results.append(bench(model, *bench_args))
     rate = max(rate, _matrix_product_rate())
     print(f"this CPU's float32 matrix products, after: {rate / 1e9:.0f} GFLOP/s")
     if args.json:
