@@ -50,10 +50,13 @@ def cross_entropy(model: torch.nn.Module, batches: list[dict]) -> float:
 
 @torch.no_grad()
 def export_difference(variant: torch.nn.Module, native: torch.nn.Module, batches: list[dict]) -> float:
-    """The largest |logit difference| of `native` from `variant` over `batches`, over the variant's largest |logit|."""
+    """The largest |logit difference| of `native` from `variant` over `batches`, over the variant's largest |logit|
+    (NaN where the variant's logits are not finite)."""
     difference = largest = 0.0
     for batch in batches:
         expected, logits = variant.eval()(**batch).logits, native.eval()(**batch).logits
+        if not expected.isfinite().all():
+            return float("nan")
         difference, largest = (
             max(difference, (logits - expected).abs().max().item()),
             max(largest, expected.abs().max().item()),

@@ -257,6 +257,20 @@ def test_heal_removes_the_norms_in_stages(norm_free, tmp_path):
     assert healed.config.first_position_scales is None  # removed last
 
 
+@pytest.mark.parametrize("variant", ["gpt2-exportable", "llama-none"])
+def test_the_development_stop_waits_for_the_stages_to_end(norm_free, tmp_path, variant):
+    """The KL rises while the norms go: the stop measures only from where every norm (and the first position's
+    divisors, over the second half) is gone. At a rate that moves nothing it then stops at its second measurement."""
+    options = dict(swap_schedule="stages", max_steps=20, learning_rate=1e-12, stop_patience=1, dev_size=32, log=None)
+    report = heal_checkpoint(str(norm_free / variant), str(tmp_path / "healed"), **options)
+    first_scales = HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / variant).config.first_position_scales
+    measured = [step for step in range(10 if first_scales is None else 20, 20, 2)][:2]
+    budget = report["budget"]
+    assert [entry["step"] for entry in budget["development_kl"] or []] == measured
+    assert budget["stopped_at"] == (measured[-1] if measured else None)
+    assert report["steps"] == (measured[-1] if measured else 20)
+
+
 def test_a_direct_healing_leaves_a_model_the_native_class_holds(norm_free, tmp_path):
     assert HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / "llama-none").config.first_position_scales
     heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "healed"), max_steps=2, log=None)

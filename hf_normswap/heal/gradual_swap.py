@@ -28,6 +28,7 @@ class GradualSwap(StreamMix, TrainerCallback):
         except ValueError as error:
             raise HealError(f"swap_schedule={schedule!r}: {error}") from None
         self.schedule, self.opening_steps = schedule, max(1, max_steps // 2)
+        self.settled_step = self.opening_steps  # from here the student computes its own function
 
     def set_step(self, step: int) -> None:
         """Opens the gates for training step `step`."""

@@ -162,7 +162,8 @@ def _heal(
     teacher, head_figures = _training_probe(models, texts, tokenizer, options, stream_rms, fit)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
-    stop, swap = _development_stop(models, texts, options), _gradual_swap(models.student, stream_rms, options)
+    swap = _gradual_swap(models.student, stream_rms, options)
+    stop = _development_stop(models, texts, options, from_step=swap.settled_step if swap else 0)
     callbacks = [probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None]
     log_history, seconds, tokens, resumed, steps = _train(
         models, texts, options, callbacks=[callback for callback in callbacks if callback], work=work, quiet=quiet
@@ -222,12 +223,17 @@ def _training_probe(
     return teacher, head_figures
 
 
-def _development_stop(models: HealModels, texts: HealTexts, options: HealOptions) -> DevelopmentStop | None:
-    """With development texts and `stop_patience`, the stop on their KL, measured every tenth of the steps."""
+def _development_stop(
+    models: HealModels, texts: HealTexts, options: HealOptions, from_step: int
+) -> DevelopmentStop | None:
+    """With development texts and `stop_patience`, the stop on their KL, measured every tenth of the steps from
+    `from_step`."""
     if not (texts.development and options.stop_patience):
         return None
     every_tenth = max(1, options.max_steps // 10)
-    return DevelopmentStop(texts.development, models.teacher, every=every_tenth, patience=options.stop_patience)
+    return DevelopmentStop(
+        texts.development, models.teacher, every=every_tenth, patience=options.stop_patience, from_step=from_step
+    )
 
 
 def _budget(texts: HealTexts, options: HealOptions, stop: DevelopmentStop | None) -> Budget:

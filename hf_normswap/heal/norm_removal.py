@@ -50,6 +50,7 @@ class NormRemoval(TrainerCallback):
         final = len(points)
         self.hooks.append(base.norm.register_forward_pre_hook(lambda _, args: (self._mixed(args[0], final),)))
         self.model, self.first_scales = base, base.config.first_position_scales
+        self.settled_step = self.opening_steps * (2 if self.first_scales else 1)  # every norm and divisor removed
 
     def _mixed(self, states: torch.Tensor, point: int) -> torch.Tensor:
         kept = self.kept[point].item()

@@ -213,7 +213,7 @@ class HealOptions:
             "rules": (at_least(0, "0 (never stop early) or more"),),
             "help": "with --data teacher: stop once the next-token KL on --dev-size development texts (sampled with a "
             "seed of their own) has not fallen 1% below its best for this many measurements, every tenth of the "
-            "steps (0: never)",
+            "steps once a gradual --swap-schedule has ended (0: never)",
         },
     )
     dev_size: int = field(

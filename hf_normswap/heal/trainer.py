@@ -170,19 +170,21 @@ class HealProbeCallback(TrainerCallback):
 
 class DevelopmentStop(TrainerCallback):
     """Stops training once the student's next-token KL to the teacher on the development batches has not fallen
-    `IMPROVEMENT` below its best for `patience` measurements, every `every` steps; every process measures (a sharded
-    student needs them all) and they stop together. `history` holds each measurement, `stopped_at` the step."""
+    `IMPROVEMENT` below its best for `patience` measurements, every `every` steps from `from_step` (where a gradual
+    schedule has moved the student to its own function; before it the KL rises by design); every process measures (a
+    sharded student needs them all) and they stop together. `history` holds each measurement, `stopped_at` the step."""
 
     IMPROVEMENT = 0.01
 
-    def __init__(self, batches: list[dict], teacher: torch.nn.Module, every: int, patience: int):
+    def __init__(self, batches: list[dict], teacher: torch.nn.Module, every: int, patience: int, from_step: int = 0):
         with gathered(teacher):
             self.expected = [log_probs.cpu() for log_probs in next_token_log_probs(teacher, batches)]
-        self.batches, self.every, self.patience = batches, every, patience
+        self.batches, self.every, self.patience, self.from_step = batches, every, patience, from_step
         self.history, self.stopped_at = [], None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.every or state.global_step >= state.max_steps:
+        step = state.global_step
+        if step % self.every or step < self.from_step or step >= state.max_steps:
             return
         with gathered(model):
             kl = agreement(self.expected, next_token_log_probs(model, self.batches), self.batches)["kl"]
