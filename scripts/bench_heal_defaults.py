@@ -51,6 +51,7 @@ def held_out_texts(source: str, folder: Path, count: int = 256, length: int = 64
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     options = HealOptions(sample_length=length + 1)
     stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=False)
+    stream.together = 64  # the held-out texts of every run recorded, whatever a healing's groups
     ids = []
     for group in range(HELD_OUT_GROUP, HELD_OUT_GROUP + 64):
         ids.append(stream.sample(group)[0])

@@ -16,6 +16,7 @@ from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.heal import HealError, HealOptions, losses, reconstruction
+from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.data import TEACHER_STATES, heal_texts, sampled_together, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
 from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_batches
@@ -341,7 +342,7 @@ def test_teacher_samples_are_distinct(llama):
     assert all(len(row["input_ids"]) == 10 for row in rows)
     torch.manual_seed(0)  # the first group's seed: every second text sampled without BOS, from a token drawn after it
     sampling = dict(do_sample=True, top_k=0, top_p=1.0)  # the first token drawn as the others are (never EOS)
-    starts = torch.full((sampled_together(torch.device("cpu")), 1), tokenizer.bos_token_id)
+    starts = torch.full((sampled_together(teacher), 1), tokenizer.bos_token_id)
     after = starts[1::2]
     first = dict(min_new_tokens=1, max_new_tokens=1)
     after[:] = teacher.generate(after, attention_mask=torch.ones_like(after), **first, **sampling)[:, 1:]
@@ -353,7 +354,7 @@ def test_teacher_samples_are_distinct(llama):
     assert {text[0] == tokenizer.bos_token_id for text in texts[::2]} == {True}
     assert len({text[0] for text in texts[1::2]}) > 1
     stream = iter(teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10, batch_size=5)))
-    count = sampled_together(torch.device("cpu")) + 8  # past the first seeded group
+    count = sampled_together(teacher) + 8  # past the first seeded group
     streamed = [tuple(next(stream)["input_ids"]) for _ in range(count)]
     assert len(set(streamed)) == count and streamed[:12] == [tuple(row["input_ids"]) for row in rows]
 
@@ -394,6 +395,23 @@ def test_training_on_sampled_text_reads_the_teachers_states_from_it(llama, tmp_p
     assert from_states.item() == pytest.approx(from_forward.item(), rel=1e-5)
 
 
+def test_a_batch_without_padding_trains_as_it_is(llama, tmp_path, monkeypatch):
+    """Sampled texts fill their rows, so with `packing` the healing runs them unpacked (no block-diagonal mask to
+    build): the states are those of the batch packed, within float32 rounding, and `pack_padded` is not called."""
+    teacher, _, batch = _sampled_batch(llama, 8)
+    student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        packed = trainer_module._outputs(student, *trainer_module.pack_padded(inputs), token_logits=False)
+        as_it_is = trainer_module._outputs(student, inputs, None, token_logits=False)
+    for got, expected in zip(as_it_is.hidden_states, packed.hidden_states, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    arguments = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+    trainer = HealTrainer(model=student, args=arguments, teacher=teacher, objective="kl", packing=True)
+    monkeypatch.setattr(trainer_module, "pack_padded", None)  # not called
+    assert torch.isfinite(trainer.compute_loss(student, dict(batch)))
+
+
 def _counted_generate(teacher, monkeypatch) -> list:
     """A list that grows by one at each call of `teacher.generate` (two a sampled group)."""
     calls = []
@@ -407,7 +425,7 @@ def test_teacher_samples_for_the_fit_are_sampled_once(llama, monkeypatch):
     the fit's groups sampled once and let go once training has read them, and no other group kept."""
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
-    group = sampled_together(torch.device("cpu"))
+    group = sampled_together(teacher)
     options = HealOptions(data="teacher", sample_length=10, reconstruct_steps=5, reconstruct_sequences=group + 1)
     stream = teacher_samples(teacher, tokenizer, options)
     calls = _counted_generate(teacher, monkeypatch)
@@ -426,7 +444,7 @@ def test_teacher_samples_read_again(llama, monkeypatch):
     reading and in a seeded order, without sampling them again; the layers' fit reads the first readings."""
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
-    group = sampled_together(torch.device("cpu"))
+    group = sampled_together(teacher)
     options = HealOptions(
         data="teacher", sample_length=10, sample_reads=2, reconstruct_steps=5, reconstruct_sequences=2 * group + 1
     )
@@ -447,6 +465,14 @@ def test_teacher_samples_read_again(llama, monkeypatch):
         torch.equal(row[TEACHER_STATES], states[tuple(row["input_ids"])]) for row in read[2 * group : 3 * group]
     )
     assert [tuple(row["input_ids"]) for row in itertools.islice(stream, 5 * group)] == texts  # seeded
+
+
+def test_a_smaller_teacher_samples_more_texts_a_group_on_a_cpu():
+    """On a CPU a group holds SmolLM2-135M's 64 texts x parameters a decoding step, in powers of two, 64 to 1024."""
+    expected = {134_515_008: 64, 10**9: 64, 134_515_008 // 4: 256, 134_515_008 // 5: 256, 258_112: 1024, 22_560: 1024}
+    for parameters, texts in expected.items():
+        teacher = torch.nn.Linear(parameters, 1, bias=False, device="meta")  # the meta device computes on a CPU
+        assert sampled_together(teacher) == texts
 
 
 def test_teacher_samples_depend_on_no_batch_size(llama):

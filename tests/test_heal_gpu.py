@@ -42,7 +42,7 @@ def test_a_gpu_samples_1024_texts_a_seeded_group(llama):
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm").to(GPU)
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
     rows = teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_count=1030, sample_length=10))
-    assert sampled_together(GPU) == 1024 and len({tuple(row) for row in rows["input_ids"]}) == 1030
+    assert sampled_together(teacher) == 1024 and len({tuple(row) for row in rows["input_ids"]}) == 1030
     with torch.random.fork_rng(devices=[GPU]):
         torch.manual_seed(0)  # the first group's seed
         bos = torch.full((1024, 1), tokenizer.bos_token_id, device=GPU)

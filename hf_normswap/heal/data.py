@@ -3,6 +3,7 @@ sampled from a causal-LM teacher."""
 
 import collections
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,11 +126,18 @@ def _tokenize(rows: Dataset, columns: list[str], tokenizer, max_length: int, nam
     return encoded.remove_columns("special_tokens_mask")
 
 
-def sampled_together(device: torch.device) -> int:
-    """How many texts one seeded generation samples on `device`, whatever the batch size or process count: 64 on a
-    CPU (larger groups sample no faster there), 1024 on an accelerator, whose decoding steps wait on Python rather
-    than on their arithmetic."""
-    return 64 if device.type == "cpu" else 1024
+CPU_SAMPLING_WORK = 64 * 134_515_008  # texts x teacher parameters a decoding step: SmolLM2-135M's 64 texts
+
+
+def sampled_together(teacher: torch.nn.Module) -> int:
+    """How many texts one seeded generation of `teacher` samples, whatever the batch size or process count: on a CPU,
+    as many as give a decoding step SmolLM2-135M's 64 texts' work (texts x parameters; larger groups sample it no
+    faster), in powers of two from 64 to 1024, since a smaller model's steps wait on Python more than on arithmetic;
+    1024 on an accelerator, whose decoding steps wait on Python (measured: docs/experiments/healing.md)."""
+    if compute_device(teacher).type != "cpu":
+        return 1024
+    parameters = sum(parameter.numel() for parameter in teacher.parameters())
+    return min(1024, max(64, 2 ** int(math.log2(CPU_SAMPLING_WORK / parameters))))
 
 
 TEACHER_STATES = "teacher_hidden_states"  # a sampled text's key: the teacher's states at every boundary
@@ -150,6 +158,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
 
     def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions, states: bool):
         self.teacher, self.start, self.pad, self.options, self.states = teacher, start, pad, options, states
+        self.together = sampled_together(teacher)
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def __iter__(self):
@@ -168,11 +177,10 @@ class TeacherSamples(torch.utils.data.IterableDataset):
 
     def _groups(self):
         """(index, texts, states) of every group in turn, those the layers' fit reads kept as they are sampled."""
-        together = sampled_together(compute_device(self.teacher))
         fitted = self.options.reconstruct_sequences if self.options.reconstruct_steps else 0
         for group in itertools.count():
             ids, states = self.kept[group] if group in self.kept else self.sample(group)
-            if group * together < fitted:
+            if group * self.together < fitted:
                 self.kept[group] = ids, states
             yield group, ids, states
 
@@ -196,7 +204,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         )
         with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
             torch.manual_seed(group)
-            starts = torch.full((sampled_together(device), 1), self.start, device=device)
+            starts = torch.full((self.together, 1), self.start, device=device)
             after = starts[1::2]  # these texts begin with the token drawn after `start`, without it
             after[:] = self.teacher.generate(
                 after, attention_mask=torch.ones_like(after), max_new_tokens=1, min_new_tokens=1, **sampling

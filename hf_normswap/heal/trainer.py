@@ -42,7 +42,8 @@ class HealTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels", None)
         sampled = inputs.pop(TEACHER_STATES, None)  # the teacher's states on sampled text, from its sampling
-        packed, index = pack_padded(inputs) if self.packing else (inputs, None)
+        padded = not bool(inputs["attention_mask"].all())  # a batch without padding is padding-free as it is
+        packed, index = pack_padded(inputs) if self.packing and padded else (inputs, None)
         packed = {key: value.to(self.args.device) for key, value in packed.items()}
         mask = inputs["attention_mask"].to(self.args.device)
         # a causal LM's next-token logits are computed from its final states, a chunk at a time (`next_token_kl`);
