@@ -502,7 +502,7 @@ def test_kl_healing_on_teacher_text(llama, schedule):
     assert report["swap_schedule"] == schedule
     assert report["tokens"] == 16 * 8 * 64  # every text sampled is 64 tokens long, none padded
     before, after = report["next_token"]["before"], report["next_token"]["after"]
-    assert set(after) == {"kl", "kl_by_position", "top1_agreement", "greedy_agreement"}
+    assert set(after) == {"kl", "kl_by_position", "top1_agreement", "cross_entropy_gap", "greedy_agreement"}
     bins = list(after["kl_by_position"])  # the held-out sentences' positions, from the first
     assert len(bins) >= 4 and bins == list(POSITION_BINS)[: len(bins)]
     if schedule == "direct":  # far from the source at the start: healing must bring it closer
@@ -573,6 +573,16 @@ def test_next_token_figures_from_final_states_equal_the_forwards(llama):
     assert figures["kl"] == pytest.approx(expected["kl"], rel=1e-5)
     assert figures["kl_by_position"] == pytest.approx(expected["kl_by_position"], rel=1e-5)
     assert figures["top1_agreement"] == expected["top1_agreement"]
+    gaps = []  # the cross-entropy gap token by token: each real token followed by a real one, from the forwards
+    with torch.no_grad():
+        for batch in batches:
+            teacher_lp, student_lp = (F.log_softmax(m(**batch).logits, -1) for m in (teacher, student))
+            for row, t in (batch["attention_mask"][:, :-1] * batch["attention_mask"][:, 1:]).nonzero().tolist():
+                following = batch["input_ids"][row, t + 1]
+                gaps.append((teacher_lp[row, t, following] - student_lp[row, t, following]).item())
+    assert len(gaps) == 2 * (11 + 4 + 1)
+    assert figures["cross_entropy_gap"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)
+    assert expected["cross_entropy_gap"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)
 
 
 def test_a_healing_generates_the_teachers_continuation_once(llama, tmp_path, monkeypatch):

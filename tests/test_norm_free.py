@@ -2,6 +2,7 @@
 norms that divide by a constant, and norm gains folded into the layers reading them (`--fold-norm-weights`)."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -269,6 +270,14 @@ def test_the_development_stop_waits_for_the_stages_to_end(norm_free, tmp_path, v
     assert [entry["step"] for entry in budget["development_kl"] or []] == measured
     assert budget["stopped_at"] == (measured[-1] if measured else None)
     assert report["steps"] == (measured[-1] if measured else 20)
+    stages = report["norm_removal"]  # on the development texts, as each group of norms goes (of 10 opening steps)
+    removed = [["MLP norms"], ["attention norms"], ["final norm"]] + [["first position's divisors"]] * bool(
+        first_scales
+    )
+    assert [stage["removed"] for stage in stages] == removed
+    assert [stage["step"] for stage in stages] == [4, 7, 10, 20][: len(removed)]
+    assert all(stage["kl"] >= 0 and math.isfinite(stage["cross_entropy_gap"]) for stage in stages)
+    assert set(stages[0]["kl_by_position"]) == {"0", "1", "2-3", "4-15", "16-63"}  # 64 tokens a text
 
 
 def test_a_direct_healing_leaves_a_model_the_native_class_holds(norm_free, tmp_path):

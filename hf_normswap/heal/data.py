@@ -27,7 +27,7 @@ class HealTexts:
     held_out: list[dict]
     held_out_rows: int
     columns: list[str]
-    development: list[dict] | None = None  # with data="teacher" and stop_patience: `development_batches`
+    development: list[dict] | None = None  # data="teacher", with stop_patience or a gradual swap_schedule
 
 
 def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> HealTexts:
@@ -56,7 +56,8 @@ def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> 
         collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     else:
         collator = pad
-    development = development_batches(teacher, tokenizer, options) if sampled and options.stop_patience else None
+    measured = options.stop_patience or options.swap_schedule != "direct"  # the stop; a norm-free student's stages
+    development = development_batches(teacher, tokenizer, options) if sampled and measured else None
     return HealTexts(
         train=train,
         collator=collator,

@@ -58,11 +58,19 @@ from .report import (
     HealReport,
     MaskedLMLoss,
     NextTokenAgreement,
+    NormRemovalStage,
     Reconstruction,
     TeacherSampling,
     plot_history,
 )
-from .trainer import DevelopmentStop, HealProbeCallback, HealTrainer, TimeBudget, training_arguments
+from .trainer import (
+    DevelopmentStop,
+    DevelopmentTexts,
+    HealProbeCallback,
+    HealTrainer,
+    TimeBudget,
+    training_arguments,
+)
 
 
 def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=print, **options) -> dict:
@@ -134,15 +142,19 @@ class _FittedLayers:
     head_figures: Callable[..., dict]
 
 
-def _gradual_swap(student, stream_rms: list[float] | None, options: HealOptions) -> GradualSwap | NormRemoval | None:
-    """The callback that moves the student from its source's function to its own, if `swap_schedule` asks for one."""
+def _gradual_swap(
+    student, stream_rms: list[float] | None, options: HealOptions, development: DevelopmentTexts | None
+) -> GradualSwap | NormRemoval | None:
+    """The callback that moves the student from its source's function to its own, if `swap_schedule` asks for one
+    (a norm-free student's measured on the `development` texts as each group of norms goes)."""
     if options.swap_schedule == "direct":
         return None
     if not removes_norms(student.config):
         return GradualSwap(student, stream_rms, options.swap_schedule, options.max_steps)
     if student.config.removed_norm_rms is None:
         raise HealError(f"swap_schedule={options.swap_schedule!r} needs the removed_norm_rms a conversion records")
-    return NormRemoval(student, student.config.removed_norm_rms, options.swap_schedule, options.max_steps)
+    rms = student.config.removed_norm_rms
+    return NormRemoval(student, rms, options.swap_schedule, options.max_steps, development=development)
 
 
 def _heal(
@@ -162,8 +174,9 @@ def _heal(
     teacher, head_figures = _training_probe(models, texts, tokenizer, options, stream_rms, fit)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
-    swap = _gradual_swap(models.student, stream_rms, options)
-    stop = _development_stop(models, texts, options, from_step=swap.settled_step if swap else 0)
+    development = DevelopmentTexts(texts.development, models.teacher) if texts.development else None
+    swap = _gradual_swap(models.student, stream_rms, options, development)
+    stop = _development_stop(development, options, from_step=swap.settled_step if swap else 0)
     callbacks = [probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None]
     log_history, seconds, tokens, resumed, steps = _train(
         models, texts, options, callbacks=[callback for callback in callbacks if callback], work=work, quiet=quiet
@@ -200,6 +213,7 @@ def _heal(
         log_history=log_history,
         reconstruction=fit.reconstruction if fit else None,
         budget=_budget(texts, options, stop),
+        norm_removal=[NormRemovalStage(**stage) for stage in swap.stages] if isinstance(swap, NormRemoval) else None,
         **memory_settings(options),
     )
 
@@ -224,16 +238,14 @@ def _training_probe(
 
 
 def _development_stop(
-    models: HealModels, texts: HealTexts, options: HealOptions, from_step: int
+    development: DevelopmentTexts | None, options: HealOptions, from_step: int
 ) -> DevelopmentStop | None:
     """With development texts and `stop_patience`, the stop on their KL, measured every tenth of the steps from
     `from_step`."""
-    if not (texts.development and options.stop_patience):
+    if not (development and options.stop_patience):
         return None
     every_tenth = max(1, options.max_steps // 10)
-    return DevelopmentStop(
-        texts.development, models.teacher, every=every_tenth, patience=options.stop_patience, from_step=from_step
-    )
+    return DevelopmentStop(development, every=every_tenth, patience=options.stop_patience, from_step=from_step)
 
 
 def _budget(texts: HealTexts, options: HealOptions, stop: DevelopmentStop | None) -> Budget:

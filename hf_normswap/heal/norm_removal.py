@@ -21,6 +21,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from .options import HealError
+from .trainer import DevelopmentTexts
 
 
 NORM_FREE_SCHEDULES = ("gate", "layers", "stages")
@@ -30,7 +31,14 @@ class NormRemoval(TrainerCallback):
     """Hooks on a norm-free model's stream readers that give back a share `kept` of each removed norm, in forward
     order (per layer: attention, MLP; the final norm last), and the schedule that takes it away."""
 
-    def __init__(self, model: nn.Module, removed_rms: list[float], schedule: str, max_steps: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        removed_rms: list[float],
+        schedule: str,
+        max_steps: int,
+        development: DevelopmentTexts | None = None,
+    ):
         if schedule not in NORM_FREE_SCHEDULES:
             raise HealError(
                 f"swap_schedule={schedule!r} is invalid for a norm-free student: allowed are "
@@ -51,6 +59,15 @@ class NormRemoval(TrainerCallback):
         self.hooks.append(base.norm.register_forward_pre_hook(lambda _, args: (self._mixed(args[0], final),)))
         self.model, self.first_scales = base, base.config.first_position_scales
         self.settled_step = self.opening_steps * (2 if self.first_scales else 1)  # every norm and divisor removed
+        if schedule == "gate":
+            self.groups, self.group_names = torch.zeros(len(points) + 1, dtype=torch.long), ["every norm"]
+        elif schedule == "layers":  # group l: layer l's two points; the final norm its own last group
+            self.groups = torch.cat([torch.arange(self.layers).repeat_interleave(2), torch.tensor([self.layers])])
+            self.group_names = [f"layer {layer}" for layer in range(self.layers)] + ["final norm"]
+        else:  # stages: the MLPs' norms, then attention's, then the final norm
+            self.groups = torch.cat([torch.tensor([1, 0]).repeat(self.layers), torch.tensor([2])])
+            self.group_names = ["MLP norms", "attention norms", "final norm"]
+        self.development, self.stages = development, []
 
     def _mixed(self, states: torch.Tensor, point: int) -> torch.Tensor:
         kept = self.kept[point].item()
@@ -61,24 +78,37 @@ class NormRemoval(TrainerCallback):
         removed = self.removed_rms[point]
         return states * (removed / (kept * rms + (1 - kept) * removed)).to(states.dtype)
 
-    def set_step(self, step: int) -> None:
-        """Sets each point's kept share for training step `step`."""
+    def _shares(self, step: int) -> tuple[torch.Tensor, float]:
+        """Each point's kept share at training step `step`, and the part of the first position's factors left."""
         progress = min(1.0, step / self.opening_steps)
-        if self.first_scales:  # over the second half: each factor c from c to 1
-            left = 1 - min(1.0, max(0.0, step / self.opening_steps - 1))
+        count = len(self.group_names)
+        left = 1 - min(1.0, max(0.0, step / self.opening_steps - 1))  # over the second half
+        return 1 - (progress * count - self.groups).clamp(0, 1), left
+
+    def set_step(self, step: int) -> None:
+        """Sets each point's kept share for training step `step`, and the first position's factors (c to 1)."""
+        kept, left = self._shares(step)
+        self.kept.copy_(kept)
+        if self.first_scales:
             self.model.config.first_position_scales = [1 + (scale - 1) * left for scale in self.first_scales]
-        if self.schedule == "gate":
-            self.kept.fill_(1 - progress)
-            return
-        if self.schedule == "layers":  # group l: layer l's two points; the final norm its own last group
-            groups = torch.cat([torch.arange(self.layers).repeat_interleave(2), torch.tensor([self.layers])])
-        else:  # stages: the MLPs' norms, then attention's, then the final norm
-            groups = torch.cat([torch.tensor([1, 0]).repeat(self.layers), torch.tensor([2])])
-        count = groups.max().item() + 1
-        self.kept.copy_(1 - (progress * count - groups).clamp(0, 1))
+
+    def removed(self, step: int) -> list[str]:
+        """The groups of norms gone at training step `step` (and the first position's divisors, where it had some)."""
+        kept, left = self._shares(step)
+        gone = [name for group, name in enumerate(self.group_names) if not kept[self.groups == group].any()]
+        return gone + (["first position's divisors"] if self.first_scales and left == 0 else [])
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.set_step(state.global_step)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        """With development texts, the student's figures there at the step where a group of norms is gone."""
+        step = state.global_step
+        newly = [name for name in self.removed(step) if name not in self.removed(step - 1)]
+        if self.development is None or not newly:
+            return
+        self.set_step(step)  # as the next step begins
+        self.stages.append({"step": step, "removed": newly, **self.development.figures(model)})
 
     def remove(self) -> None:
         """Takes the hooks away, and the first position's divisors: the student is norm-free."""

@@ -225,7 +225,8 @@ class HealOptions:
                     f"1 to {DEVELOPMENT_TEXTS}",
                 ),
             ),
-            "help": "with --stop-patience: the development texts (at most 64)",
+            "help": "with --data teacher: the development texts the stop (--stop-patience) and a norm-free "
+            "student's stages (--swap-schedule) are measured on (at most 64)",
         },
     )
     learning_rate: float | None = field(

@@ -79,6 +79,20 @@ class Budget:
 
 
 @dataclass
+class NormRemovalStage:
+    """A norm-free student healed in stages, on the development texts at the step where its schedule took a group of
+    norms (or the first position's divisors) away: the next-token KL to the teacher (nats per token), by position,
+    top-1 agreement, and the cross-entropy gap (the student's minus the teacher's, nats per token)."""
+
+    step: int
+    removed: list[str]
+    kl: float
+    kl_by_position: dict
+    top1_agreement: float
+    cross_entropy_gap: float | None
+
+
+@dataclass
 class HealLineage:
     """A healing as conversion.json records it (its `heal`): the settings, and the final output's figures before and
     after."""
@@ -126,6 +140,7 @@ class HealReport(JsonRecord):
     dtype: str = "float32"
     reconstruction: Reconstruction | None = None
     budget: Budget | None = None
+    norm_removal: list[NormRemovalStage] | None = None  # a norm-free student's gradual schedule
 
     FILE = "heal.json"
     INDENT = 1

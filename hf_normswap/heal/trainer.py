@@ -169,27 +169,38 @@ class HealProbeCallback(TrainerCallback):
         self.history = [entry for entry in saved["history"] if entry["step"] <= step]
 
 
+class DevelopmentTexts:
+    """The development batches (texts sampled from the teacher, held out from training) with the teacher's
+    next-token log-probabilities on them, and a student's `agreement` there; every process measures (a sharded
+    student needs them all)."""
+
+    def __init__(self, batches: list[dict], teacher: torch.nn.Module):
+        with gathered(teacher):
+            self.expected = [log_probs.cpu() for log_probs in next_token_log_probs(teacher, batches)]
+        self.batches = batches
+
+    def figures(self, model: torch.nn.Module) -> dict:
+        with gathered(model):
+            return agreement(self.expected, next_token_log_probs(model, self.batches), self.batches)
+
+
 class DevelopmentStop(TrainerCallback):
-    """Stops training once the student's next-token KL to the teacher on the development batches has not fallen
+    """Stops training once the student's next-token KL to the teacher on the development texts has not fallen
     `IMPROVEMENT` below its best for `patience` measurements, every `every` steps from `from_step` (where a gradual
-    schedule has moved the student to its own function; before it the KL rises by design); every process measures (a
-    sharded student needs them all) and they stop together. `history` holds each measurement, `stopped_at` the step."""
+    schedule has moved the student to its own function; before it the KL rises by design); the processes stop
+    together. `history` holds each measurement, `stopped_at` the step."""
 
     IMPROVEMENT = 0.01
 
-    def __init__(self, batches: list[dict], teacher: torch.nn.Module, every: int, patience: int, from_step: int = 0):
-        with gathered(teacher):
-            self.expected = [log_probs.cpu() for log_probs in next_token_log_probs(teacher, batches)]
-        self.batches, self.every, self.patience, self.from_step = batches, every, patience, from_step
+    def __init__(self, development: DevelopmentTexts, every: int, patience: int, from_step: int = 0):
+        self.development, self.every, self.patience, self.from_step = development, every, patience, from_step
         self.history, self.stopped_at = [], None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         step = state.global_step
         if step % self.every or step < self.from_step or step >= state.max_steps:
             return
-        with gathered(model):
-            kl = agreement(self.expected, next_token_log_probs(model, self.batches), self.batches)["kl"]
-        self.history.append({"step": state.global_step, "kl": kl})
+        self.history.append({"step": state.global_step, "kl": self.development.figures(model)["kl"]})
         earlier, recent = self.history[: -self.patience], self.history[-self.patience :]
         best = min((entry["kl"] for entry in earlier), default=0.0)
         stalled = bool(earlier) and all(entry["kl"] > best * (1 - self.IMPROVEMENT) for entry in recent)

@@ -63,17 +63,27 @@ def agreement_with(expected: Iterable[torch.Tensor], model: torch.nn.Module, bat
 @torch.no_grad()
 def agreement(expected: Iterable[torch.Tensor], given: Iterable[torch.Tensor], batches: list[dict]) -> dict:
     """`next_token_agreement` of a model's next-token log-probabilities `given` on `batches` against a source's
-    `expected` (each per batch, at its real tokens)."""
-    kl, positions, agree = [], [], 0
+    `expected` (each per batch, at its real tokens); with the model's cross-entropy on the texts' next tokens minus
+    the source's (`cross_entropy_gap`, nats per token; None for texts of one token)."""
+    kl, positions, gap, agree = [], [], [], 0
     for batch, source, model in zip(batches, expected, given, strict=True):
-        mask, source = batch["attention_mask"].to(model.device), source.to(model.device)
+        mask, source = batch["attention_mask"].to(model.device).bool(), source.to(model.device)
         kl.append(F.kl_div(model, source, log_target=True, reduction="none").sum(-1))
         agree += (model.argmax(-1) == source.argmax(-1)).sum().item()
-        positions.append((mask.cumsum(-1) - 1)[mask.bool()])
-    kl, positions = torch.cat(kl), torch.cat(positions)
+        positions.append((mask.cumsum(-1) - 1)[mask])
+        followed = torch.zeros_like(mask)
+        followed[:, :-1] = mask[:, :-1] & mask[:, 1:]  # a real token whose next one is real
+        following = batch["input_ids"].to(model.device).roll(-1, dims=1)[mask][followed[mask]].unsqueeze(-1)
+        gap.append((source[followed[mask]].gather(-1, following) - model[followed[mask]].gather(-1, following)))
+    kl, positions, gap = torch.cat(kl), torch.cat(positions), torch.cat(gap)
     bins = {name: (positions >= start) & (positions < end) for name, (start, end) in POSITION_BINS.items()}
     by_position = {name: kl[chosen].mean().item() for name, chosen in bins.items() if chosen.any()}
-    return {"kl": kl.mean().item(), "kl_by_position": by_position, "top1_agreement": agree / len(kl)}
+    return {
+        "kl": kl.mean().item(),
+        "kl_by_position": by_position,
+        "top1_agreement": agree / len(kl),
+        "cross_entropy_gap": gap.mean().item() if len(gap) else None,
+    }
 
 
 @torch.no_grad()
