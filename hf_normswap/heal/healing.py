@@ -58,7 +58,6 @@ from .report import (
     HealReport,
     MaskedLMLoss,
     NextTokenAgreement,
-    NormRemovalStage,
     Reconstruction,
     TeacherSampling,
     plot_history,
@@ -213,7 +212,7 @@ def _heal(
         log_history=log_history,
         reconstruction=fit.reconstruction if fit else None,
         budget=_budget(texts, options, stop),
-        norm_removal=[NormRemovalStage(**stage) for stage in swap.stages] if isinstance(swap, NormRemoval) else None,
+        norm_removal=swap.stages if isinstance(swap, NormRemoval) else None,
         **memory_settings(options),
     )
 

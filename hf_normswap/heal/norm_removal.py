@@ -21,6 +21,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from .options import HealError
+from .report import NormRemovalStage
 from .trainer import DevelopmentTexts
 
 
@@ -48,7 +49,7 @@ class NormRemoval(TrainerCallback):
         points = [norms.input_norm for layer in base.layers for norms in (layer.attention_norms, layer.mlp_norms)]
         if len(removed_rms) != len(points) + 1:
             raise HealError("swap_schedule: the recorded removed_norm_rms does not fit the model's layers")
-        self.layers, self.schedule, self.opening_steps = len(base.layers), schedule, max(1, max_steps // 2)
+        self.layers, self.opening_steps = len(base.layers), max(1, max_steps // 2)
         self.removed_rms, self.kept = removed_rms, torch.zeros(len(points) + 1)
         self.centred, self.eps = base.config.norm_type == "layernorm", base.config.norm_eps
         self.hooks = [
@@ -67,7 +68,7 @@ class NormRemoval(TrainerCallback):
         else:  # stages: the MLPs' norms, then attention's, then the final norm
             self.groups = torch.cat([torch.tensor([1, 0]).repeat(self.layers), torch.tensor([2])])
             self.group_names = ["MLP norms", "attention norms", "final norm"]
-        self.development, self.stages = development, []
+        self.development, self.stages = development, []  # NormRemovalStage: heal.json's norm_removal
 
     def _mixed(self, states: torch.Tensor, point: int) -> torch.Tensor:
         kept = self.kept[point].item()
@@ -108,7 +109,7 @@ class NormRemoval(TrainerCallback):
         if self.development is None or not newly:
             return
         self.set_step(step)  # as the next step begins
-        self.stages.append({"step": step, "removed": newly, **self.development.figures(model)})
+        self.stages.append(NormRemovalStage(step=step, removed=newly, **self.development.figures(model)))
 
     def remove(self) -> None:
         """Takes the hooks away, and the first position's divisors: the student is norm-free."""
