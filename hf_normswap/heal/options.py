@@ -35,22 +35,19 @@ FITTED_DEFAULTS = {"reconstruct_steps": 60}
 
 @dataclass(frozen=True)
 class CausalScaling:
-    """A causal-LM student's learning rate and training tokens, from its hidden size and its parameters outside
-    embeddings and head. The rate: `width_rate` / the hidden size squared; after fitted layers (a close start, which a
-    larger rate undid on SmolLM2) `fitted_rate` / those parameters, at most the former: the best fitted rates of
-    three models fall as 1 / their parameters. The tokens: `tokens_by_parameters` / those parameters, at most
-    `most_tokens`. At SmolLM2-135M's width 576 and 106M such parameters, the rates measured there, 1e-4 (1e-5 fitted),
-    and 100 steps of 8 texts of 64 tokens. Chosen on SmolLM2 and two LLaMAs pretrained from scratch
-    (docs/experiments/healing.md, 2026-12-02 and 2026-12-06)."""
+    """A causal-LM student's learning rate (`width_rate` / hidden size squared, a tenth of it after fitted layers:
+    from a close start, a larger one undid the fit) and training tokens (`tokens_by_parameters` / its parameters
+    outside embeddings and head, at most `most_tokens`); at SmolLM2-135M's width 576 and 106M such parameters the
+    rates measured there, 1e-4 (1e-5 fitted), and 100 steps of 8 texts of 64 tokens. Chosen on SmolLM2 and LLaMAs
+    pretrained from scratch (docs/experiments/healing.md, 2026-12-02)."""
 
     width_rate: float = 33.1776  # 1e-4 x 576**2
-    fitted_rate: float = 1062.03456  # 1e-5 x SmolLM2's 106,203,456
+    fitted_share: float = 0.1
     tokens_by_parameters: float = 5.44e12
     most_tokens: int = 2**21
 
-    def learning_rate(self, width: int, parameters: int, fitted: bool) -> float:
-        unfitted = self.width_rate / width**2
-        return min(unfitted, self.fitted_rate / parameters) if fitted else unfitted
+    def learning_rate(self, width: int, fitted: bool) -> float:
+        return self.width_rate / width**2 * (self.fitted_share if fitted else 1.0)
 
     def tokens(self, parameters: int) -> int:
         return int(min(self.most_tokens, self.tokens_by_parameters / parameters))
@@ -237,8 +234,7 @@ class HealOptions:
         metadata={
             "rules": (positive(),),
             "help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}; for a causal-LM "
-            f"student, {CAUSAL_SCALING.width_rate:.4g} / its hidden size squared, and after fitted layers "
-            f"{CAUSAL_SCALING.fitted_rate:.5g} / its parameters outside embeddings and head, at most the former",
+            f"student, {CAUSAL_SCALING.width_rate:.4g} / its hidden size squared, a tenth of it after fitted layers",
         },
     )
     batch_size: int | None = field(
@@ -305,8 +301,7 @@ class HealOptions:
         """These options (`for_head`'s) with a causal LM's learning rate and steps left open set by `CAUSAL_SCALING`
         for a student of hidden size `width` and `parameters` outside embeddings and head, its steps those its tokens
         take at `tokens_per_text`."""
-        fitted = bool(self.reconstruct_steps)
-        learning_rate = self.learning_rate or CAUSAL_SCALING.learning_rate(width, parameters, fitted=fitted)
+        learning_rate = self.learning_rate or CAUSAL_SCALING.learning_rate(width, fitted=bool(self.reconstruct_steps))
         steps = self.max_steps
         if steps is None:
             tokens = self.max_tokens or CAUSAL_SCALING.tokens(parameters)
