@@ -122,7 +122,7 @@ def test_the_fit_targets_the_unnormalised_stream_where_the_conversion_is_exact(l
     model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / f"{placement}-shifted").eval()
     batch = {"input_ids": torch.full((4, 1), 7), "attention_mask": torch.ones(4, 1, dtype=torch.long)}
     calibrate_branches(model, source, [batch])
-    errors = reconstruct_layers(model, source, [batch], steps=0)
+    errors = reconstruct_layers(model, source, [batch], steps=0, learning_rate=1e-3)
     assert len(errors) == 2 and all(before == after <= 1e-8 for before, after in errors)
 
 

@@ -15,7 +15,7 @@ from hf_normswap.cli import main as cli
 from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
-from hf_normswap.heal import HealError, HealOptions, losses, reconstruction
+from hf_normswap.heal import HealError, HealOptions, losses
 from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.data import TEACHER_STATES, heal_texts, sampled_together, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
@@ -187,7 +187,7 @@ def test_reconstruction_targets_are_the_students_stream_where_the_conversion_is_
     # each layer already gives the teacher's stream as the student's norms hold it, and a fit has nothing to move.
     source, model, batch = _uncalibrated_on_one_token(llama, placement, tmp_path)
     calibrate_stream(model, source, [batch])
-    errors = reconstruct_layers(model, source, [batch], steps=0)
+    errors = reconstruct_layers(model, source, [batch], steps=0, learning_rate=1e-3)
     assert len(errors) == 2 and all(before == after <= 1e-10 for before, after in errors)
 
 
@@ -202,13 +202,14 @@ def test_reconstruction_brings_each_layer_and_the_next_token_closer(llama):
     held_out = {"input_ids": torch.randint(3, teacher.config.vocab_size, (8, 12), generator=generator)}
     held_out["attention_mask"] = torch.ones_like(held_out["input_ids"])
     before = next_token_agreement(teacher, student, [held_out])["kl"]
-    errors = reconstruct_layers(student, teacher, batches, steps=60)
-    assert len(errors) == 2 and all(after < 0.95 * before for before, after in errors)
-    assert next_token_agreement(teacher, student, [held_out])["kl"] < 0.95 * before  # measured: 0.91
+    # 576 tokens: above 1e-3 the fit overfits them (measured KL / before: 0.91 at 3e-5, 0.78 at 3e-4, 1.22 at 1e-2)
+    errors = reconstruct_layers(student, teacher, batches, steps=60, learning_rate=3e-4)
+    assert len(errors) == 2 and all(after < 0.6 * before for before, after in errors)  # measured: 0.46, 0.47
+    assert next_token_agreement(teacher, student, [held_out])["kl"] < 0.85 * before  # measured: 0.78
     assert not any(parameter.grad is not None for parameter in student.parameters())
 
 
-def test_the_fit_shows_the_layers_the_first_position_in_texts_of_one_token(llama, monkeypatch):
+def test_the_fit_shows_the_layers_the_first_position_in_texts_of_one_token(llama):
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
     ids = torch.randint(3, teacher.config.vocab_size, (32, 12), generator=torch.Generator().manual_seed(0))
@@ -225,10 +226,9 @@ def test_the_fit_shows_the_layers_the_first_position_in_texts_of_one_token(llama
     held_out["attention_mask"] = torch.ones_like(held_out["input_ids"])
     converted = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
     first_position = {"conversion": next_token_agreement(teacher, converted, [held_out])["kl_by_position"]["0"]}
-    monkeypatch.setattr(reconstruction, "RECONSTRUCTION_LEARNING_RATE", 1e-3)  # a tiny model's fit moves at 3e-5
     for name, fitted_on in (("texts", batches[:-1]), ("with one-token texts", batches)):
         student = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "post")
-        reconstruct_layers(student, teacher, fitted_on, steps=options.reconstruct_steps)
+        reconstruct_layers(student, teacher, fitted_on, steps=options.reconstruct_steps, learning_rate=1e-3)
         first_position[name] = next_token_agreement(teacher, student, [held_out])["kl_by_position"]["0"]
     # measured: 0.0215 converted, 0.0489 fitted on the texts alone (overfitted), 0.0073 with one-token texts
     assert first_position["texts"] > 1.5 * first_position["conversion"]
@@ -241,6 +241,7 @@ SMOLLM2 = dict(width=576, parameters=106_203_456, tokens_per_text=64)  # its lay
 def test_the_layers_are_fitted_by_default_out_of_pre_ln_with_the_direct_swap():
     fitted = HealOptions().for_head("causal-lm", out_of_pre_ln=True).scaled(**SMOLLM2)
     assert fitted.reconstruct_steps == 60 and fitted.learning_rate == pytest.approx(1e-5) and fitted.max_steps == 100
+    assert fitted.reconstruct_learning_rate == 3e-5
     for options, recorded in (
         (HealOptions(), False),  # no calibrated conversion out of pre-LN
         (HealOptions(swap_schedule="taper"), True),
@@ -255,10 +256,14 @@ def test_the_layers_are_fitted_by_default_out_of_pre_ln_with_the_direct_swap():
 
 
 def test_a_causal_lm_s_learning_rate_and_tokens_scale_with_it():
-    """The learning rate goes as 1 / width squared, the tokens as 1 / the layers' parameters (at most 2**21), the
-    steps those tokens take; --max-tokens and --max-steps replace the budget."""
+    """The learning rate goes as 1 / width squared (after a fit, times the steps / 1,000 up to 1), the tokens as 1 /
+    the layers' parameters (at most 2**21), the steps those tokens take; --max-tokens and --max-steps replace the
+    budget."""
     small = HealOptions().for_head("causal-lm", out_of_pre_ln=True).scaled(64, 250_000, 64)
-    assert small.learning_rate == pytest.approx(8.1e-4) and small.max_steps == 2**21 // (8 * 64)
+    assert small.learning_rate == pytest.approx(8.1e-3) and small.max_steps == 2**21 // (8 * 64)
+    for steps, share in ((4, 0.004), (500, 0.5), (1000, 1.0)):
+        fitted = HealOptions(max_steps=steps).for_head("causal-lm", out_of_pre_ln=True).scaled(64, 250_000, 64)
+        assert fitted.learning_rate == pytest.approx(8.1e-3 * share)
     assert HealOptions(batch_size=32).for_head("causal-lm").scaled(64, 250_000, 64).learning_rate == pytest.approx(
         8.1e-3
     )
@@ -274,16 +279,23 @@ def test_a_causal_lm_s_learning_rate_and_tokens_scale_with_it():
 def test_a_healing_reconstructs_the_layers_first(llama, data):
     output = llama / f"reconstructed-{data}"
     report = heal_checkpoint(
-        str(llama / "post"), str(output), **HEAL, data=data, reconstruct_steps=20, reconstruct_sequences=32
+        str(llama / "post"),
+        str(output),
+        **HEAL,
+        data=data,
+        reconstruct_steps=20,
+        reconstruct_sequences=32,
+        reconstruct_learning_rate=1e-4,
     )
     reconstruction = report["reconstruction"]
     assert report["data"]["name"] == data and (report["data"]["sampling"] is None) == (data != "teacher")
     assert reconstruction["sequences"] == 32 and reconstruction["steps"] == 20 and reconstruction["seconds"] > 0
+    assert reconstruction["learning_rate"] == 1e-4
     assert len(reconstruction["layer_errors"]) == 2
     assert all(after < before for before, after in reconstruction["layer_errors"])
     conversion, start = reconstruction["conversion"], report["next_token"]["before"]
     assert len(conversion["kl_by_layer"]) == 2 and "kl_by_layer" not in start  # measured on the conversion only
-    assert start["kl"] < 0.99 * conversion["kl"]  # healing starts from the fitted layers (measured: 0.969)
+    assert start["kl"] < 0.97 * conversion["kl"]  # healing starts from the fitted layers (measured: 0.943, 0.845)
     assert json.loads((output / "heal.json").read_text())["reconstruction"] == reconstruction
 
 

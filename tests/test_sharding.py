@@ -93,7 +93,8 @@ def test_a_sharded_healing_fits_and_heals_as_one_process_with_every_default(heal
     two, one = healed / "fitted" / "healed-4", healed / "fitted" / "healed-8"
     assert_same_healing(two, one)
     reports = [json.loads((folder / "heal.json").read_text()) for folder in (two, one)]
-    fitted_rate = CAUSAL_SCALING.learning_rate(json.loads((two / "config.json").read_text())["hidden_size"], True)
+    width = json.loads((two / "config.json").read_text())["hidden_size"]
+    fitted_rate = CAUSAL_SCALING.learning_rate(width, fitted=True, steps=reports[0]["budget"]["steps"])
     assert [report["learning_rate"] for report in reports] == [pytest.approx(fitted_rate)] * 2
     assert [report["reconstruction"]["steps"] for report in reports] == [60, 60]
     errors = [sum(report["reconstruction"]["layer_errors"], []) for report in reports]  # before, after: by layer

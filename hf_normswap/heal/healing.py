@@ -51,7 +51,7 @@ from .measure import masked_lm_loss, measure_states, student_states, teacher_sta
 from .models import HealModels, layer_parameters, load_models, memory_settings
 from .norm_removal import NormRemoval
 from .options import HealError, HealOptions
-from .reconstruction import RECONSTRUCTION_LEARNING_RATE, reconstruct_layers, reconstruction_batches
+from .reconstruction import reconstruct_layers, reconstruction_batches
 from .report import (
     Budget,
     HealData,
@@ -293,11 +293,13 @@ def _fit_layers(
     teacher, head_figures = _held_out_probe(models, texts, tokenizer, stream_rms)
     conversion = head_figures(models.student, before=True)["next_token"]
     started = time.perf_counter()
-    errors = reconstruct_layers(models.student, models.teacher, batches, options.reconstruct_steps)
+    errors = reconstruct_layers(
+        models.student, models.teacher, batches, options.reconstruct_steps, options.reconstruct_learning_rate
+    )
     reconstruction = Reconstruction(
         sequences=options.reconstruct_sequences,
         steps=options.reconstruct_steps,
-        learning_rate=RECONSTRUCTION_LEARNING_RATE,
+        learning_rate=options.reconstruct_learning_rate,
         seconds=time.perf_counter() - started,
         layer_errors=errors,
         conversion=conversion,

@@ -35,19 +35,20 @@ FITTED_DEFAULTS = {"reconstruct_steps": 60}
 
 @dataclass(frozen=True)
 class CausalScaling:
-    """A causal-LM student's learning rate (`width_rate` / hidden size squared, a tenth of it after fitted layers:
-    from a close start, a larger one undid the fit) and training tokens (`tokens_by_parameters` / its parameters
-    outside embeddings and head, at most `most_tokens`); at SmolLM2-135M's width 576 and 106M such parameters the
-    rates measured there, 1e-4 (1e-5 fitted), and 100 steps of 8 texts of 64 tokens. Chosen on SmolLM2 and LLaMAs
-    pretrained from scratch (docs/experiments/healing.md, 2026-12-02)."""
+    """A causal-LM student's learning rate (`width_rate` / hidden size squared; after fitted layers, times its steps /
+    `fitted_steps` up to 1: in a short healing a larger rate undid the fit, in a long one it healed furthest) and
+    training tokens (`tokens_by_parameters` / its parameters outside embeddings and head, at most `most_tokens`); at
+    SmolLM2-135M's width 576 and 106M such parameters the rates measured there, 1e-4 (1e-5 fitted), and 100 steps of
+    8 texts of 64 tokens. Chosen on SmolLM2 and LLaMAs pretrained from scratch (docs/experiments/healing.md,
+    2026-12-02 and 2026-12-06)."""
 
     width_rate: float = 33.1776  # 1e-4 x 576**2
-    fitted_share: float = 0.1
+    fitted_steps: int = 1000
     tokens_by_parameters: float = 5.44e12
     most_tokens: int = 2**21
 
-    def learning_rate(self, width: int, fitted: bool) -> float:
-        return self.width_rate / width**2 * (self.fitted_share if fitted else 1.0)
+    def learning_rate(self, width: int, fitted: bool, steps: int) -> float:
+        return self.width_rate / width**2 * (min(1.0, steps / self.fitted_steps) if fitted else 1.0)
 
     def tokens(self, parameters: int) -> int:
         return int(min(self.most_tokens, self.tokens_by_parameters / parameters))
@@ -165,6 +166,13 @@ class HealOptions:
             "with the direct swap, without lora, else 0",
         },
     )
+    reconstruct_learning_rate: float = field(
+        default=3e-5,
+        metadata={
+            "rules": (positive(),),
+            "help": "with --reconstruct-steps: the fit's Adam learning rate (at 1e-4 SmolLM2 overfitted 128 texts)",
+        },
+    )
     reconstruct_sequences: int = field(
         default=128,
         metadata={
@@ -234,7 +242,8 @@ class HealOptions:
         metadata={
             "rules": (positive(),),
             "help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}; for a causal-LM "
-            f"student, {CAUSAL_SCALING.width_rate:.4g} / its hidden size squared, a tenth of it after fitted layers",
+            f"student, {CAUSAL_SCALING.width_rate:.4g} / its hidden size squared, after fitted layers times the "
+            f"steps / {CAUSAL_SCALING.fitted_steps:,} (at most 1)",
         },
     )
     batch_size: int | None = field(
@@ -301,9 +310,10 @@ class HealOptions:
         """These options (`for_head`'s) with a causal LM's learning rate and steps left open set by `CAUSAL_SCALING`
         for a student of hidden size `width` and `parameters` outside embeddings and head, its steps those its tokens
         take at `tokens_per_text`."""
-        learning_rate = self.learning_rate or CAUSAL_SCALING.learning_rate(width, fitted=bool(self.reconstruct_steps))
         steps = self.max_steps
         if steps is None:
             tokens = self.max_tokens or CAUSAL_SCALING.tokens(parameters)
             steps = max(1, round(tokens / (self.batch_size * tokens_per_text)))
+        fitted = bool(self.reconstruct_steps)
+        learning_rate = self.learning_rate or CAUSAL_SCALING.learning_rate(width, fitted, steps)
         return replace(self, learning_rate=learning_rate, max_steps=steps)

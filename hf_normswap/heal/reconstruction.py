@@ -25,7 +25,6 @@ from .data import TeacherSamples
 from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
 
 
-RECONSTRUCTION_LEARNING_RATE = 3e-5  # Adam's, every layer; 1e-4 overfitted 128 texts (docs/experiments/healing.md)
 FIRST_POSITION_TOKENS = 1024  # the most texts of one token a fit adds to its texts (one batch)
 
 
@@ -69,14 +68,17 @@ class _Stream:
         return layer(self.states, **self.keywords)
 
 
-def _fit_layer(layer: nn.Module, inputs: list[_Stream], targets: list[torch.Tensor], steps: int) -> list[float]:
-    """Fits all of `layer`'s weights by Adam so that on each of `inputs` it gives the `targets`, cycling through them
-    for `steps` steps; leaves the layer's outputs as the streams' states; returns the mean error before and after."""
+def _fit_layer(
+    layer: nn.Module, inputs: list[_Stream], targets: list[torch.Tensor], steps: int, learning_rate: float
+) -> list[float]:
+    """Fits all of `layer`'s weights by Adam at `learning_rate` so that on each of `inputs` it gives the `targets`,
+    cycling through them for `steps` steps; leaves the layer's outputs as the streams' states; returns the mean error
+    before and after."""
     weights, pairs = list(layer.parameters()), list(zip(inputs, targets))
     trained = [weight.requires_grad for weight in weights]
     with torch.no_grad():
         before = sum(_error(stream.through(layer), target, stream.real).item() for stream, target in pairs)
-    optimizer = torch.optim.Adam(weights, lr=RECONSTRUCTION_LEARNING_RATE)
+    optimizer = torch.optim.Adam(weights, lr=learning_rate)
     try:
         for weight in weights:
             weight.requires_grad_(True)
@@ -97,9 +99,11 @@ def _fit_layer(layer: nn.Module, inputs: list[_Stream], targets: list[torch.Tens
     return [before / len(inputs), after / len(inputs)]
 
 
-def reconstruct_layers(student: nn.Module, teacher: nn.Module, batches: list[dict], steps: int) -> list[list[float]]:
-    """Fits the student's layers one after another (module docstring), `steps` Adam steps a layer over `batches`;
-    returns each layer's mean squared error per feature to its target, before and after its fit."""
+def reconstruct_layers(
+    student: nn.Module, teacher: nn.Module, batches: list[dict], steps: int, learning_rate: float
+) -> list[list[float]]:
+    """Fits the student's layers one after another (module docstring), `steps` Adam steps a layer at `learning_rate`
+    over `batches`; returns each layer's mean squared error per feature to its target, before and after its fit."""
     config, errors = student.config, []
     centred = config.norm_type == "layernorm"
     with evaluation_mode(student), evaluation_mode(teacher), torch.no_grad():
@@ -117,7 +121,7 @@ def reconstruct_layers(student: nn.Module, teacher: nn.Module, batches: list[dic
                     target = teacher.base_model.norm(target) if last else normalised(target, centred, config.norm_eps)
                 targets.append(target.to(stream.states.device))
         with evaluation_mode(student):
-            errors.append(_fit_layer(layer, inputs, targets, steps))
+            errors.append(_fit_layer(layer, inputs, targets, steps, learning_rate))
     return errors
 
 
