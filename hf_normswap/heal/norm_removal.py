@@ -68,7 +68,8 @@ class NormRemoval(TrainerCallback):
         else:  # stages: the MLPs' norms, then attention's, then the final norm
             self.groups = torch.cat([torch.tensor([1, 0]).repeat(self.layers), torch.tensor([2])])
             self.group_names = ["MLP norms", "attention norms", "final norm"]
-        self.development, self.stages = development, []  # NormRemovalStage: heal.json's norm_removal
+        self.development = development
+        self.stages: list[NormRemovalStage] = []  # heal.json's norm_removal
 
     def _mixed(self, states: torch.Tensor, point: int) -> torch.Tensor:
         kept = self.kept[point].item()

@@ -314,6 +314,5 @@ class HealOptions:
         if steps is None:
             tokens = self.max_tokens or CAUSAL_SCALING.tokens(parameters)
             steps = max(1, round(tokens / (self.batch_size * tokens_per_text)))
-        fitted = bool(self.reconstruct_steps)
-        learning_rate = self.learning_rate or CAUSAL_SCALING.learning_rate(width, fitted, steps)
+        learning_rate = self.learning_rate or CAUSAL_SCALING.learning_rate(width, bool(self.reconstruct_steps), steps)
         return replace(self, learning_rate=learning_rate, max_steps=steps)
