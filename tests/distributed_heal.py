@@ -8,7 +8,8 @@ from the heads a chunk at a time (recomputed in the backward pass) and the teach
 the student's kept for the backward pass); with --activation-checkpointing, the tied variant heals (its head a chunk
 at a time) with its layers recomputed in the backward pass. The calibrated variant (`fitted`) heals with every
 default (its layers fitted first), with --fsdp where more than one process runs, in the plain runs alone (no option,
-no tag). `tests/test_sharding_gpu.py` runs it under `accelerate launch` on a GPU, also with --bf16 (bfloat16 mixed
+no tag), and then at a learning rate that diverges, which every process must end alike (rank 0 writes the
+error). `tests/test_sharding_gpu.py` runs it under `accelerate launch` on a GPU, also with --bf16 (bfloat16 mixed
 precision; the outputs' suffix `-bf16`)."""
 
 import argparse
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_normswap import heal_checkpoint
-from hf_normswap.heal import losses
+from hf_normswap.heal import HealError, losses
 from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.trainer import HealTrainer
 from hf_normswap.sharding import end_processes
@@ -119,6 +120,21 @@ if __name__ == "__main__":
             log=None,
         )
         results[healing] = list(teacher_record)
+    if not (checkpointing or arguments.bf16 or arguments.tag):  # a learning rate that diverges: every process stops
+        try:
+            heal_checkpoint(
+                str(folder / "tied" / "variant"),
+                str(healed_folder(folder, "diverged", per_device)),
+                data=str(folder / "text.txt"),
+                max_steps=STEPS,
+                learning_rate=1e30,
+                batch_size=per_device,
+                eval_size=8,
+                fsdp=True,
+                log=None,
+            )
+        except HealError as error:
+            results["diverged"] = str(error)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         record.write_text(json.dumps(results, indent=1))
     end_processes()

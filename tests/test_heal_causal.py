@@ -715,6 +715,19 @@ def test_a_time_budget_stops_training(tmp_path, llama):
     assert report["steps"] == 1 and report["budget"]["seconds"] == 1e-6 and report["budget"]["steps"] == 16
 
 
+def test_a_healing_that_diverges_ends_before_the_step_and_writes_nothing(tmp_path, llama):
+    """At a learning rate that overflows the weights (the first step's rate is 0, in the warm-up), the third step's
+    gradient is NaN: the healing ends there in one line, as the optimizer would have made every weight NaN."""
+    output = tmp_path / "diverged"
+    with pytest.raises(HealError) as error:
+        heal_checkpoint(str(llama / "post"), str(output), **{**HEAL, "max_steps": 6, "learning_rate": 1e30})
+    assert str(error.value) == (
+        "the healing diverged at step 3 of 6: its gradient is not finite (a lower learning_rate, or another "
+        "swap_schedule, may train)"
+    )
+    assert not output.exists()
+
+
 def test_card_reports_next_token_figures(healed_text):
     folder, _ = healed_text
     card, _ = build_card(folder, "user/healed", base_model="user/tiny-llama", license="mit")

@@ -102,6 +102,14 @@ def test_a_sharded_healing_fits_and_heals_as_one_process_with_every_default(heal
     assert errors[0][1] < errors[0][0] and errors[0][3] < errors[0][2]  # each layer fitted
 
 
+def test_a_sharded_healing_that_diverges_ends_in_every_process_at_the_same_step(healed):
+    """At a learning rate that overflows the weights, 2 processes raise the error 1 process raises, before the
+    optimizer takes the step, and write nothing."""
+    errors = [json.loads((healed / record).read_text())["diverged"] for record in ("two.json", "one.json")]
+    assert errors[0] == errors[1] and errors[0].startswith("the healing diverged at step 3 of 4: its gradient is not")
+    assert not healed_folder(healed, "diverged", 4).exists() and not healed_folder(healed, "diverged", 8).exists()
+
+
 def test_the_teachers_logits_from_its_forward_change_nothing(healed):
     """The KL with the teacher's logits from its forward (the student's kept for the backward pass), and from its
     head a chunk at a time (both recomputed in the backward pass), heals alike."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -31,7 +32,8 @@ class HealTrainer(Trainer):
     batch, padding-free with `packing`; on text sampled from the teacher, its states come with the text)."""
 
     def __init__(self, *args, teacher: torch.nn.Module, objective: str, packing: bool = False, **kwargs):
-        callbacks = [RecordShardedOutputs(), *(kwargs.pop("callbacks", None) or [])]  # first: others may record
+        # the outputs recorded first, since other callbacks may record; a diverged step stops before it is taken
+        callbacks = [RecordShardedOutputs(), FiniteGradients(), *(kwargs.pop("callbacks", None) or [])]
         super().__init__(*args, callbacks=callbacks, **kwargs)
         if not isinstance(teacher, FSDPModule):  # a sharded teacher is placed already
             teacher = teacher.to(self.args.device)
@@ -207,6 +209,20 @@ class DevelopmentStop(TrainerCallback):
         if agreed_max(int(stalled), args.device):  # the processes measured alike; they stop together regardless
             control.should_training_stop = True
             self.stopped_at = state.global_step
+
+
+class FiniteGradients(TrainerCallback):
+    """Ends a healing whose gradient is not finite, before the optimizer applies it (it would make every trained
+    weight NaN): raises `HealError` naming the step, on every process alike."""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        finite = all(bool(grad.isfinite().all()) for grad in grads if grad is not None)
+        if agreed_max(int(not finite), args.device):
+            raise HealError(
+                f"the healing diverged at step {state.global_step + 1} of {state.max_steps}: its gradient is not "
+                "finite (a lower learning_rate, or another swap_schedule, may train)"
+            )
 
 
 class TimeBudget(TrainerCallback):
