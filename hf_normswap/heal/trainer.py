@@ -217,7 +217,7 @@ class FiniteGradients(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
-        finite = all(bool(grad.isfinite().all()) for grad in grads if grad is not None)
+        finite = torch.stack([grad.isfinite().all() for grad in grads if grad is not None]).all()  # one device sync
         if agreed_max(int(not finite), args.device):
             raise HealError(
                 f"the healing diverged at step {state.global_step + 1} of {state.max_steps}: its gradient is not "
