@@ -9,8 +9,8 @@ the student's kept for the backward pass); with --activation-checkpointing, the 
 at a time) with its layers recomputed in the backward pass. The calibrated variant (`fitted`) heals with every
 default (its layers fitted first), with --fsdp where more than one process runs, in the plain runs alone (no option,
 no tag), and then at a learning rate that diverges, which every process must end alike (rank 0 writes the
-error). `tests/test_sharding_gpu.py` runs it under `accelerate launch` on a GPU, also with --bf16 (bfloat16 mixed
-precision; the outputs' suffix `-bf16`)."""
+error to the record's name with the suffix `.diverged`). `tests/test_sharding_gpu.py` runs it under `accelerate
+launch` on a GPU, also with --bf16 (bfloat16 mixed precision; the outputs' suffix `-bf16`)."""
 
 import argparse
 import json
@@ -120,6 +120,7 @@ if __name__ == "__main__":
             log=None,
         )
         results[healing] = list(teacher_record)
+    diverged = None
     if not (checkpointing or arguments.bf16 or arguments.tag):  # a learning rate that diverges: every process stops
         try:
             heal_checkpoint(
@@ -134,7 +135,9 @@ if __name__ == "__main__":
                 log=None,
             )
         except HealError as error:
-            results["diverged"] = str(error)
+            diverged = error
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         record.write_text(json.dumps(results, indent=1))
+        if diverged:
+            record.with_suffix(".diverged").write_text(str(diverged))
     end_processes()

@@ -105,7 +105,7 @@ def test_a_sharded_healing_fits_and_heals_as_one_process_with_every_default(heal
 def test_a_sharded_healing_that_diverges_ends_in_every_process_at_the_same_step(healed):
     """At a learning rate that overflows the weights, 2 processes raise the error 1 process raises, before the
     optimizer takes the step, and write nothing."""
-    errors = [json.loads((healed / record).read_text())["diverged"] for record in ("two.json", "one.json")]
+    errors = [(healed / record).read_text() for record in ("two.diverged", "one.diverged")]
     assert errors[0] == errors[1] and errors[0].startswith("the healing diverged at step 3 of 4: its gradient is not")
     assert not healed_folder(healed, "diverged", 4).exists() and not healed_folder(healed, "diverged", 8).exists()
 
