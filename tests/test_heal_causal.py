@@ -3,12 +3,13 @@ distribution (KL objective, text sampled from the teacher, gradual swaps)."""
 
 import itertools
 import json
+import math
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, GenerationMixin, TrainingArguments
+from transformers import AutoTokenizer, GenerationMixin, LogitsProcessorList, TrainingArguments
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.cli import main as cli
@@ -17,7 +18,13 @@ from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.heal import HealError, HealOptions, losses
 from hf_normswap.heal import trainer as trainer_module
-from hf_normswap.heal.data import TEACHER_STATES, heal_texts, sampled_together, teacher_samples
+from hf_normswap.heal.data import (
+    TEACHER_STATES,
+    InverseCdfSampling,
+    heal_texts,
+    sampled_together,
+    teacher_samples,
+)
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
 from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_batches
 from hf_normswap.heal.trainer import HealTrainer
@@ -353,7 +360,7 @@ def test_teacher_samples_are_distinct(llama):
     assert len(rows) == 12 and len(sequences) == 12
     assert all(len(row["input_ids"]) == 10 for row in rows)
     torch.manual_seed(0)  # the first group's seed: every second text sampled without BOS, from a token drawn after it
-    sampling = dict(do_sample=True, top_k=0, top_p=1.0)  # the first token drawn as the others are (never EOS)
+    sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([InverseCdfSampling(1.0)]))  # never EOS
     starts = torch.full((sampled_together(teacher), 1), tokenizer.bos_token_id)
     after = starts[1::2]
     first = dict(min_new_tokens=1, max_new_tokens=1)
@@ -369,6 +376,18 @@ def test_teacher_samples_are_distinct(llama):
     count = sampled_together(teacher) + 8  # past the first seeded group
     streamed = [tuple(next(stream)["input_ids"]) for _ in range(count)]
     assert len(set(streamed)) == count and streamed[:12] == [tuple(row["input_ids"]) for row in rows]
+
+
+def test_inverse_cdf_sampling_draws_from_the_softmax_at_the_temperature():
+    """200,000 draws of one row's next token: each token's frequency within 0.004 of softmax(scores / temperature)
+    (4 standard errors or more), and a token of score -inf, as `min_new_tokens` leaves EOS, never drawn."""
+    scores = torch.tensor([2.0, 0.5, -math.inf, 1.0, -1.0, 3.0])
+    for temperature in (1.0, 0.7):
+        torch.manual_seed(0)
+        drawn = InverseCdfSampling(temperature)(None, scores.expand(200_000, -1)).argmax(-1)
+        frequencies = torch.bincount(drawn, minlength=len(scores)) / len(drawn)
+        expected = torch.softmax(scores / temperature, -1)
+        assert frequencies[2] == 0 and (frequencies - expected).abs().max() < 0.004
 
 
 def _sampled_batch(llama, texts: int):

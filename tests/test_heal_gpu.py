@@ -4,12 +4,12 @@ so these tests are skipped there; on a machine with one: `python -m pytest tests
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LogitsProcessorList
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
 from hf_normswap.heal import HealOptions
-from hf_normswap.heal.data import sampled_together, teacher_samples
+from hf_normswap.heal.data import InverseCdfSampling, sampled_together, teacher_samples
 from hf_normswap.heal.models import load_models
 from hf_normswap.heal.options import FITTED_DEFAULTS
 
@@ -46,7 +46,8 @@ def test_a_gpu_samples_1024_texts_a_seeded_group(llama):
     with torch.random.fork_rng(devices=[GPU]):
         torch.manual_seed(0)  # the first group's seed
         bos = torch.full((1024, 1), tokenizer.bos_token_id, device=GPU)
-        settings = dict(do_sample=True, top_k=0, top_p=1.0, max_new_tokens=10, min_new_tokens=10)
+        sampling = LogitsProcessorList([InverseCdfSampling(1.0)])
+        settings = dict(do_sample=False, logits_processor=sampling, max_new_tokens=10, min_new_tokens=10)
         sampled = teacher.generate(bos, attention_mask=torch.ones_like(bos), **settings).tolist()
     expected = [text[1:] if i % 2 else text[:-1] for i, text in enumerate(sampled)]
     assert rows["input_ids"][:1024] == expected

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset, load_dataset
-from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, LogitsProcessor, LogitsProcessorList
 
 from ..devices import compute_device
 from ..sharding import from_main_process, loads_weights, sharded
@@ -145,6 +145,22 @@ TEACHER_STATES = "teacher_hidden_states"  # a sampled text's key: the teacher's 
 DEVELOPMENT_GROUP = 2**31 - 1  # the seed of the development texts' group, which no training group takes
 
 
+class InverseCdfSampling(LogitsProcessor):
+    """Draws each text's next token from softmax(scores / `temperature`) by its inverse distribution function (one
+    uniform draw a text), then leaves that token alone finite, so that greedy decoding takes it. The same distribution
+    as `generate`'s sampling, whose multinomial draws an exponential for every token of the vocabulary: on a CPU that
+    took longer than the decoding step's matrix products (docs/experiments/healing.md)."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cumulative = torch.softmax(scores.float() / self.temperature, -1).cumsum(-1, dtype=torch.float64)
+        drawn = (1 - torch.rand(len(scores), 1, device=scores.device, dtype=torch.float64)) * cumulative[:, -1:]
+        tokens = torch.searchsorted(cumulative, drawn).clamp_max(scores.shape[-1] - 1)  # in (0, total]: p > 0
+        return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
+
+
 class TeacherSamples(torch.utils.data.IterableDataset):
     """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`,
     `sampled_together` at a time; each group seeded by its index (the global generator is left as it was), so that a
@@ -201,7 +217,10 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         hold."""
         options, device = self.options, compute_device(self.teacher)
         sampling = dict(
-            do_sample=True, temperature=options.sample_temperature, top_k=0, top_p=1.0, pad_token_id=self.pad
+            do_sample=False,
+            logits_processor=LogitsProcessorList([InverseCdfSampling(options.sample_temperature)]),
+            pad_token_id=self.pad,
+            cache_implementation="static",
         )
         with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
             torch.manual_seed(group)
