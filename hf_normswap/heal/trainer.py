@@ -216,8 +216,9 @@ class FiniteGradients(TrainerCallback):
     weight NaN): raises `HealError` naming the step, on every process alike."""
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
-        finite = torch.stack([grad.isfinite().all() for grad in grads if grad is not None]).all()  # one device sync
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+        finite = torch.stack([grad.isfinite().all() for grad in local]).all()  # one device sync
         if agreed_max(int(not finite), args.device):
             raise HealError(
                 f"the healing diverged at step {state.global_step + 1} of {state.max_steps}: its gradient is not "
