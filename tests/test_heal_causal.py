@@ -18,13 +18,7 @@ from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.heal import HealError, HealOptions, losses
 from hf_normswap.heal import trainer as trainer_module
-from hf_normswap.heal.data import (
-    TEACHER_STATES,
-    InverseCdfSampling,
-    heal_texts,
-    sampled_together,
-    teacher_samples,
-)
+from hf_normswap.heal.data import TEACHER_STATES, heal_texts, sampled_together, teacher_samples
 from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
 from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_batches
 from hf_normswap.heal.trainer import HealTrainer
@@ -42,6 +36,8 @@ from hf_normswap.probes.next_token import (
     next_token_agreement,
     token_log_probs,
 )
+from hf_normswap.probes.probe_data import sampled_batches
+from hf_normswap.probes.sampling import InverseCdfSampling
 from hf_normswap.probes.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.probes.swap_effect import swap_batch
 
@@ -388,6 +384,26 @@ def test_inverse_cdf_sampling_draws_from_the_softmax_at_the_temperature():
         frequencies = torch.bincount(drawn, minlength=len(scores)) / len(drawn)
         expected = torch.softmax(scores / temperature, -1)
         assert frequencies[2] == 0 and (frequencies - expected).abs().max() < 0.004
+
+
+def test_calibration_texts_are_drawn_as_the_teachers_are(llama):
+    """A conversion's calibration texts (`sampled_batches`) come from the same sampler as heal's teacher texts:
+    reproduced by `generate` with `InverseCdfSampling` under the seed, without a static cache; the global generator
+    is left as it was."""
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    ids = sampled_batches(teacher, tokenizer, count=6, length=9, seed=4)[0]["input_ids"]
+    assert torch.equal(torch.rand(1), expected_next)
+    torch.manual_seed(4)
+    bos = torch.full((6, 1), tokenizer.bos_token_id)
+    sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([InverseCdfSampling(1.0)]))
+    length = dict(max_new_tokens=8, min_new_tokens=8)
+    expected = teacher.generate(bos, attention_mask=torch.ones_like(bos), **length, **sampling)
+    assert ids.shape == (6, 9) and torch.equal(ids, expected)
+    assert len({tuple(text) for text in ids.tolist()}) == 6
 
 
 def _sampled_batch(llama, texts: int):

@@ -9,9 +9,10 @@ from transformers import AutoTokenizer, LogitsProcessorList
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
 from hf_normswap.heal import HealOptions
-from hf_normswap.heal.data import InverseCdfSampling, sampled_together, teacher_samples
+from hf_normswap.heal.data import sampled_together, teacher_samples
 from hf_normswap.heal.models import load_models
 from hf_normswap.heal.options import FITTED_DEFAULTS
+from hf_normswap.probes.sampling import InverseCdfSampling
 
 from helpers import save_source
 

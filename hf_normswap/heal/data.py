@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset, load_dataset
-from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, LogitsProcessor, LogitsProcessorList
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from ..devices import compute_device
+from ..probes.sampling import continue_texts, seeded
 from ..sharding import from_main_process, loads_weights, sharded
 from ..tasks import GLUE_TASKS, load_task
 from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
@@ -145,22 +146,6 @@ TEACHER_STATES = "teacher_hidden_states"  # a sampled text's key: the teacher's 
 DEVELOPMENT_GROUP = 2**31 - 1  # the seed of the development texts' group, which no training group takes
 
 
-class InverseCdfSampling(LogitsProcessor):
-    """Draws each text's next token from softmax(scores / `temperature`) by its inverse distribution function (one
-    uniform draw a text), then leaves that token alone finite, so that greedy decoding takes it. The same distribution
-    as `generate`'s sampling, whose multinomial draws an exponential for every token of the vocabulary: on a CPU that
-    took longer than the decoding step's matrix products (docs/experiments/healing.md)."""
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        cumulative = torch.softmax(scores.float() / self.temperature, -1).cumsum(-1, dtype=torch.float64)
-        drawn = (1 - torch.rand(len(scores), 1, device=scores.device, dtype=torch.float64)) * cumulative[:, -1:]
-        tokens = torch.searchsorted(cumulative, drawn).clamp_max(scores.shape[-1] - 1)  # in (0, total]: p > 0
-        return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
-
-
 class TeacherSamples(torch.utils.data.IterableDataset):
     """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`,
     `sampled_together` at a time; each group seeded by its index (the global generator is left as it was), so that a
@@ -210,34 +195,17 @@ class TeacherSamples(torch.utils.data.IterableDataset):
             text = {"input_ids": rows[index], "attention_mask": [1] * len(rows[index])}
             yield text if states is None else text | {TEACHER_STATES: states[index]}
 
-    @torch.no_grad()
     def sample(self, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The group's texts (texts x length) and, with `states`, the teacher's states on them (texts x boundaries x
         length x hidden). Sampling one token more than the texts hold runs the teacher on every token they do
         hold."""
         options, device = self.options, compute_device(self.teacher)
-        sampling = dict(
-            do_sample=False,
-            logits_processor=LogitsProcessorList([InverseCdfSampling(options.sample_temperature)]),
-            pad_token_id=self.pad,
-            cache_implementation="static",
-        )
-        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
-            torch.manual_seed(group)
+        sampling = dict(temperature=options.sample_temperature, pad=self.pad)
+        with seeded(self.teacher, group):
             starts = torch.full((self.together, 1), self.start, device=device)
             after = starts[1::2]  # these texts begin with the token drawn after `start`, without it
-            after[:] = self.teacher.generate(
-                after, attention_mask=torch.ones_like(after), max_new_tokens=1, min_new_tokens=1, **sampling
-            )[:, 1:]
-            sampled = self.teacher.generate(
-                starts,
-                attention_mask=torch.ones_like(starts),
-                min_new_tokens=options.sample_length,
-                max_new_tokens=options.sample_length,
-                return_dict_in_generate=True,
-                output_hidden_states=self.states,
-                **sampling,
-            )
+            after[:] = continue_texts(self.teacher, after, 1, **sampling, states=False).sequences[:, 1:]
+            sampled = continue_texts(self.teacher, starts, options.sample_length, **sampling, states=self.states)
         ids = sampled.sequences[:, :-1].cpu()
         if not self.states:
             return ids, None

@@ -7,6 +7,7 @@ import torch
 
 from ..devices import compute_device
 from ..tasks import DATA_DIR
+from .sampling import continue_texts, seeded
 
 
 PROBE_SIZE = 64
@@ -57,7 +58,6 @@ def probe_batches(
     ]
 
 
-@torch.no_grad()
 def sampled_batches(model: torch.nn.Module, tokenizer, count: int = 16, length: int = 128, seed: int = 0) -> list:
     """`count` texts of `length` tokens sampled from the causal LM `model` at temperature 1 from BOS (else EOS, else
     token 0), one batch, the same for a seed, no longer than the model's positions; the global generator is left as it
@@ -67,21 +67,9 @@ def sampled_batches(model: torch.nn.Module, tokenizer, count: int = 16, length: 
     start = next((token for token in (config.bos_token_id, config.eos_token_id) if isinstance(token, int)), 0)
     if tokenizer is not None:
         start = next((token for token in (tokenizer.bos_token_id, tokenizer.eos_token_id) if token is not None), start)
-    device = compute_device(model)
-    with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
-        torch.manual_seed(seed)
-        starts = torch.full((count, 1), start, device=device)
-        ids = model.generate(
-            starts,
-            attention_mask=torch.ones_like(starts),
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            min_new_tokens=length - 1,
-            max_new_tokens=length - 1,
-            pad_token_id=start,
-        ).cpu()
+    with seeded(model, seed):
+        starts = torch.full((count, 1), start, device=compute_device(model))
+        ids = continue_texts(model, starts, length - 1, temperature=1.0, pad=start, states=False).sequences.cpu()
     return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
 
 

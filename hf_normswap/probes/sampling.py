@@ -1,0 +1,53 @@
+"""Texts sampled from a causal LM: each token drawn by the inverse of its distribution function, on a static cache."""
+
+import contextlib
+import math
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from ..devices import compute_device
+
+
+class InverseCdfSampling(LogitsProcessor):
+    """Draws each text's next token from softmax(scores / `temperature`) by its inverse distribution function (one
+    uniform draw a text), then leaves that token alone finite, so that greedy decoding takes it. The same distribution
+    as `generate`'s sampling, whose multinomial draws an exponential for every token of the vocabulary: on a CPU that
+    took longer than the decoding step's matrix products (docs/experiments/healing.md)."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cumulative = torch.softmax(scores.float() / self.temperature, -1).cumsum(-1, dtype=torch.float64)
+        drawn = (1 - torch.rand(len(scores), 1, device=scores.device, dtype=torch.float64)) * cumulative[:, -1:]
+        tokens = torch.searchsorted(cumulative, drawn).clamp_max(scores.shape[-1] - 1)  # in (0, total]: p > 0
+        return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
+
+
+@contextlib.contextmanager
+def seeded(model: torch.nn.Module, seed: int):
+    """Draws seeded by `seed` on the device `model` runs on; the global generator is left as it was."""
+    device = compute_device(model)
+    with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def continue_texts(
+    model: torch.nn.Module, starts: torch.Tensor, new_tokens: int, temperature: float, pad: int | None, states: bool
+):
+    """`generate`'s output for `starts` (texts x tokens, on `model`'s device), each continued by exactly `new_tokens`
+    tokens drawn at `temperature` (EOS kept out), with the hidden states of every step where `states`."""
+    return model.generate(
+        starts,
+        attention_mask=torch.ones_like(starts),
+        do_sample=False,
+        logits_processor=LogitsProcessorList([InverseCdfSampling(temperature)]),
+        min_new_tokens=new_tokens,
+        max_new_tokens=new_tokens,
+        pad_token_id=pad,
+        cache_implementation="static",
+        return_dict_in_generate=True,
+        output_hidden_states=states,
+    )
