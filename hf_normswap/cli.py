@@ -20,6 +20,7 @@ from transformers.utils import logging as transformers_logging
 from .compare.experiment import DEFAULT_EXPERIMENT, Experiment
 from .convert.options import ConvertOptions
 from .heal.options import HealOptions
+from .option_rules import unwrapped
 from .sharding.options import flat_settings, with_sharding_section
 
 
@@ -43,7 +44,7 @@ def add_options(parser: argparse.ArgumentParser, options: type, shown=None) -> N
 def _add_option(where, field: dataclasses.Field, annotation, shown) -> None:
     default = getattr(shown, field.name) if shown is not None else _default(field)
     choices, help = field.metadata.get("choices"), field.metadata.get("help", "")
-    listed = typing.get_origin(_unwrapped(annotation)) is list
+    listed = typing.get_origin(unwrapped(annotation)) is list
     metavar = "{" + ",".join(choices) + "}" + (",..." if listed else "") if choices else None
     if "default:" not in help:  # a help that says its own default ("default: the source's") keeps it
         help = f"{help} (default: {default})".lstrip()
@@ -72,22 +73,23 @@ def _default(field: dataclasses.Field):
     return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 
-def _unwrapped(annotation):
-    """`X | None` as X."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return next(kind for kind in typing.get_args(annotation) if kind is not type(None))
-    return annotation
-
-
 def _reader(annotation):
     """How to read a value of `annotation`: lists comma-separated (their items checked by the dataclass), mappings
     as YAML, scalars by their type; `X | None` as X."""
-    annotation = _unwrapped(annotation)
+    annotation = unwrapped(annotation)
     if typing.get_origin(annotation) is list:
         return lambda text: text.split(",")
     if annotation is dict or typing.get_origin(annotation) is dict:
-        return yaml.safe_load  # e.g. --heal "{max_steps: 100}"
+        return _yaml  # e.g. --heal "{max_steps: 100}"
     return annotation
+
+
+def _yaml(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise argparse.ArgumentTypeError(f"not YAML ({problem}): {text!r}") from None
 
 
 def _add_convert(commands) -> None:
@@ -124,7 +126,10 @@ def _run_export(args) -> None:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
@@ -259,6 +264,7 @@ def _run_compare(args) -> None:
         from .compare.plan import comparison_plan
         from .sharding import describe_plan
 
+        experiment.validate()
         print(describe_plan(comparison_plan(experiment, _processes(args))))
         return
     document = run_comparison(experiment)

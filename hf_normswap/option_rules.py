@@ -4,7 +4,9 @@ rules (`Rule`: a test of the value and the options, for ranges and for rules acr
 `NAME=VALUE is invalid: ALLOWED`."""
 
 import math
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import Any, NamedTuple
 
@@ -21,10 +23,22 @@ def check_options(options, error: type[Exception]) -> None:
     for item in fields(options):
         value, choices = getattr(options, item.name), item.metadata.get("choices")
         if choices is not None and value is not None and value not in choices:
-            raise error(f"{item.name}={value!r} is invalid: allowed are {list(choices)}")
+            raise error(not_allowed(item.name, value, choices))
         for rule in item.metadata.get("rules", ()):
             if not rule.test(value, options):
                 raise error(f"{item.name}={value!r} is invalid: {rule.allowed}")
+
+
+def not_allowed(name: str, value, choices: Iterable) -> str:
+    """The one-line error for a `value` of `name` outside its set `choices`."""
+    return f"{name}={value!r} is invalid: allowed are {', '.join(map(str, choices))}"
+
+
+def unwrapped(annotation):
+    """`X | None` as X."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next(kind for kind in typing.get_args(annotation) if kind is not type(None))
+    return annotation
 
 
 def whole(value, low: int, high: float = math.inf) -> bool:

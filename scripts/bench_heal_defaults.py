@@ -33,6 +33,7 @@ from hf_normswap.heal.data import TeacherSamples
 from hf_normswap.heal.options import HealOptions
 from hf_normswap.model.heads import HEAD_CLASSES
 from hf_normswap.probes.next_token import next_token_agreement
+from hf_normswap.probes.sampling import start_token
 
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -48,7 +49,7 @@ def held_out_texts(source: str, folder: Path, count: int = 256, length: int = 64
     """`count` texts of `length` + 1 tokens sampled from SOURCE (from BOS, or EOS), in batches of 32."""
     teacher = load_unswapped(source, head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    start = start_token(tokenizer, teacher.config)
     options = HealOptions(sample_length=length + 1)
     stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=False)
     stream.together = 64  # the held-out texts of every run recorded, whatever a healing's groups

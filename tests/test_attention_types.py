@@ -27,7 +27,7 @@ def test_defaults_are_all_full_attention():
             dict(layer_types=["full_attention"]),
             "layer_types=\\['full_attention'\\] .*one value for each of the 2 layers",
         ),
-        (dict(layer_types=["local", "full_attention"]), "layer_types='local' .*allowed types"),
+        (dict(layer_types=["local", "full_attention"]), "layer_types='local' .*allowed are"),
         (dict(layer_types=SLIDING), "sliding_window=None .*'sliding_attention' layers need a window"),
         (dict(layer_types=SLIDING, sliding_window=0), "sliding_window=0 .*positive integer"),
         (

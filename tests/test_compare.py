@@ -260,14 +260,25 @@ def test_bad_values_in_experiment_files(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_unparsable_options_give_one_line(capsys):
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["compare", "--max-length", "many"], "argument --max-length: invalid int value: 'many'"),
+        (
+            ["compare", "--heal", "{max_steps: "],
+            "argument --heal: not YAML (expected the node content, but found '<stream end>'): '{max_steps: '",
+        ),
+        (
+            ["generate", "model", "--max-new-tokens", "abc"],
+            "argument --max-new-tokens: must be a positive integer, got 'abc'",
+        ),
+    ],
+)
+def test_unparsable_options_give_one_line(capsys, arguments, message):
     with pytest.raises(SystemExit) as exit:
-        cli(["compare", "--max-length", "many"])
+        cli(arguments)
     assert exit.value.code == 2
-    assert (
-        capsys.readouterr().err.strip()
-        == "hf-normswap compare: error: argument --max-length: invalid int value: 'many'"
-    )
+    assert capsys.readouterr().err.strip() == f"hf-normswap {arguments[0]}: error: {message}"
 
 
 class Payload:

@@ -37,7 +37,7 @@ from hf_normswap.probes.next_token import (
     token_log_probs,
 )
 from hf_normswap.probes.probe_data import sampled_batches
-from hf_normswap.probes.sampling import InverseCdfSampling
+from hf_normswap.probes.sampling import InverseCdfSampling, start_token
 from hf_normswap.probes.stream_mix import kl_by_layer, stream_mix
 from hf_normswap.probes.swap_effect import swap_batch
 
@@ -372,6 +372,20 @@ def test_teacher_samples_are_distinct(llama):
     count = sampled_together(teacher) + 8  # past the first seeded group
     streamed = [tuple(next(stream)["input_ids"]) for _ in range(count)]
     assert len(set(streamed)) == count and streamed[:12] == [tuple(row["input_ids"]) for row in rows]
+
+
+def test_sampled_texts_start_from_bos_else_eos_else_the_configs(llama):
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    assert start_token(tokenizer, teacher.config) == tokenizer.bos_token_id
+    tokenizer.bos_token = None
+    assert start_token(tokenizer, teacher.config) == tokenizer.eos_token_id
+    tokenizer.eos_token = None
+    assert start_token(tokenizer, teacher.config) == teacher.config.bos_token_id
+    assert start_token(None, teacher.config) == teacher.config.bos_token_id
+    teacher.config.bos_token_id = teacher.config.eos_token_id = None
+    with pytest.raises(HealError, match=r"^--data teacher needs a BOS or EOS token .* to start from$"):
+        teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_count=4, sample_length=10))
 
 
 def test_inverse_cdf_sampling_draws_from_the_softmax_at_the_temperature():

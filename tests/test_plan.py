@@ -67,3 +67,5 @@ def test_compare_plan_reads_the_experiments_model(tmp_path, capsys):
     assert plan.sharded and plan.bf16 and plan.teacher == 0
     assert main(["compare", "--model", str(tmp_path / "bert"), "--plan", "--processes", "4", "--fsdp", "--bf16"]) == 0
     assert capsys.readouterr().out.strip() == describe_plan(plan)
+    assert main(["compare", "--model", str(tmp_path / "bert"), "--plan", "--seeds", "0"]) == 1  # checked as a run is
+    assert capsys.readouterr().err.strip() == "hf-normswap compare: error: seeds=0 is invalid: at least 1"

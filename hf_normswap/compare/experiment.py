@@ -5,17 +5,15 @@ import dataclasses
 import difflib
 import itertools
 import math
-import types
 import typing
 from pathlib import Path
 
 import yaml
 from transformers.integrations import is_tensorboard_available, is_trackio_available, is_wandb_available
 
-from ..convert.norm_mapping import NORM_MAPPINGS
-from ..convert.options import ATTENTIONS
+from ..convert.options import ATTENTIONS, ConvertOptions
 from ..heal import HealOptions
-from ..option_rules import Rule
+from ..option_rules import Rule, at_least, not_allowed, positive, unwrapped
 from ..sharding import ShardingOptions, sharding_section, with_sharding_section
 from ..tasks import DATA_DIR
 from .variant import NUMBER_SETTINGS, Variant, read_number
@@ -30,12 +28,13 @@ HEAL_SETTINGS = tuple(  # the comparison names the teacher (its model), the chec
     for field in dataclasses.fields(HealOptions)
     if field.name not in ("teacher", "checkpoint_dir", "sharding")
 )
+_CONVERT_FIELDS = {field.name: field for field in dataclasses.fields(ConvertOptions)}
 _PATH_FIELDS = ("model", "tokenizer", "task", "data_dir")  # relative to the experiment file when found there
 
 
 # A field's `Rule` (the options' idiom, `option_rules`) tests each number it holds: a grid's values, or a variant's.
-_AT_LEAST_1 = Rule(lambda v, _: v >= 1, "at least 1")
-_POSITIVE = Rule(lambda v, _: math.isfinite(v) and v > 0, "must be positive")
+_AT_LEAST_1 = at_least(1)
+_POSITIVE = positive()
 
 
 def _option(
@@ -48,6 +47,12 @@ def _option(
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def _convert_option(name: str):
+    """A field that the comparison passes on to `convert`: its default, help and choices there."""
+    field = _CONVERT_FIELDS[name]
+    return _option(field.default, field.metadata["help"], choices=field.metadata.get("choices"))
 
 
 @dataclasses.dataclass
@@ -98,7 +103,7 @@ class Experiment:
     learning_rates: list[float] | None = _option(
         None,
         "comma-separated grid (replaces learning_rate): each variant takes its best point",
-        Rule(_POSITIVE.test, "every learning rate must be positive"),
+        positive("every learning rate must be positive"),
         distinct=True,
     )
     warmup_ratio: float = _option(
@@ -123,7 +128,7 @@ class Experiment:
     )
     search_seeds: int = _option(1, "runs per grid point on the development split", _AT_LEAST_1)
     batch_size: int = _option(32, "examples per device and step", _AT_LEAST_1)
-    max_length: int = _option(128, "tokens per example at most", Rule(_AT_LEAST_1.test, "at least 1 token"))
+    max_length: int = _option(128, "tokens per example at most", at_least(1, "at least 1 token"))
     epochs: float = _option(3.0, "training epochs", _POSITIVE)
     weight_decay: float = _option(
         0.0, "AdamW weight decay", Rule(lambda v, _: math.isfinite(v) and v >= 0, "must be 0 or more")
@@ -137,11 +142,9 @@ class Experiment:
     max_train_samples: int | None = _option(None, "cut the training data to this many examples", _AT_LEAST_1)
     max_eval_samples: int | None = _option(None, "cut the evaluation data to this many examples", _AT_LEAST_1)
     logging_steps: int = _option(10, "log the training loss every this many steps", _AT_LEAST_1)
-    norm_mapping: str = _option(
-        "shift", f"how converted norms are mapped: {', '.join(NORM_MAPPINGS)}", choices=NORM_MAPPINGS
-    )
-    calibrate: bool = _option(True, "convert with calibrated writes where a swap needs them (see convert --help)")
-    allow_pickle: bool = _option(False, "accept pytorch_model.bin (read with weights_only=True)")
+    norm_mapping: str = _convert_option("norm_mapping")
+    calibrate: bool = _convert_option("calibrate")
+    allow_pickle: bool = _convert_option("allow_pickle")
     report_to: list[str] = _option(
         ["none"],
         f"comma-separated experiment trackers: {', '.join(TRACKERS)} or none",
@@ -156,7 +159,7 @@ class Experiment:
         None,
         "comma-separated depths at which to measure one optimizer step's output change and the last layer's gradient "
         "norm at initialisation, for a NormSwap configuration",
-        Rule(_AT_LEAST_1.test, "every depth is at least 1"),
+        at_least(1, "every depth is at least 1"),
         distinct=True,
     )
     sharding: ShardingOptions = sharding_section()
@@ -262,7 +265,7 @@ class Experiment:
             allowed, value = field.metadata.get("choices"), getattr(self, field.name)
             for name in (value if isinstance(value, list) else [value]) if allowed and value is not None else ():
                 if name not in allowed:
-                    raise ValueError(f"{field.name}={name!r} is invalid: allowed are {', '.join(allowed)}")
+                    raise ValueError(not_allowed(field.name, name, allowed))
                 if name in TRACKERS and not TRACKERS[name]():
                     raise ValueError(f"report_to={name!r} is invalid: {name} is not installed (pip install {name})")
 
@@ -331,16 +334,9 @@ def _did_you_mean(names: list, allowed) -> str | None:
     return "did you mean " + ", ".join(f"{match!r} for {name!r}" for name, match in nearest.items()) + "?"
 
 
-def _unwrap(annotation):
-    """`X | None` -> X."""
-    if typing.get_origin(annotation) is types.UnionType:
-        (annotation,) = [kind for kind in typing.get_args(annotation) if kind is not type(None)]
-    return annotation
-
-
 def _kinds(annotation) -> tuple[type, ...]:
     """The types a field's value may have, from its annotation: lists and mappings as such, a float also as an int."""
-    base = typing.get_origin(_unwrap(annotation)) or _unwrap(annotation)
+    base = typing.get_origin(unwrapped(annotation)) or unwrapped(annotation)
     return (int, float) if base is float else (base,)
 
 
@@ -349,8 +345,8 @@ def _read(name: str, value, annotation):
     kinds = _kinds(annotation)
     if kinds == (int, float):
         value = read_number(name, value)
-    elif typing.get_args(_unwrap(annotation)) in ((float,), (int,)) and isinstance(value, list):
-        (kind,) = typing.get_args(_unwrap(annotation))
+    elif typing.get_args(unwrapped(annotation)) in ((float,), (int,)) and isinstance(value, list):
+        (kind,) = typing.get_args(unwrapped(annotation))
         value = [read_number(name, item, kind) for item in value]
         for item in value:
             if not _isread_number(item) or (kind is int and not isinstance(item, int)):

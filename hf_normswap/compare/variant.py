@@ -3,6 +3,7 @@
 import dataclasses
 
 from ..model.configuration_normswap import INITIALIZERS, NORM_PLACEMENTS, POSITION_EMBEDDING_TYPES
+from ..option_rules import not_allowed
 
 
 PLACEMENTS = (*NORM_PLACEMENTS, "mix_ln")
@@ -40,9 +41,7 @@ class Variant:
                     f"variant {spec!r}: after '@' comes field=value, with field one of {', '.join(VARIANT_SETTINGS)}"
                 )
             if field == "initializer" and value not in INITIALIZERS:
-                raise ValueError(
-                    f"variant {spec!r}: initializer={value!r} is invalid: allowed are {', '.join(INITIALIZERS)}"
-                )
+                raise ValueError(f"variant {spec!r}: {not_allowed('initializer', value, INITIALIZERS)}")
             pinned[field] = value if field == "initializer" else read_number(f"variant {spec!r}: {field}", value)
         return cls(spec, name, placement, position, name.endswith(HEAL_SUFFIX), **pinned)
 

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from ..model.configuration_normswap import NormSwapConfig
-from ..model.heads import head_of_architecture
+from ..model.heads import HEAD_CLASSES, head_of_architecture
 from .config_fields import (
     BERT_FIELDS,
     DISTILBERT_FIELDS,
@@ -93,11 +93,12 @@ class Family:
         return tensor
 
 
+_ENCODER_HEADS = tuple(head for head in HEAD_CLASSES if head != "causal-lm")  # an encoder family's heads
 _BERT_LAYER = r"^encoder\.layer\.(\d+)\."
 BERT = Family(
     name="bert",
     model_types=("bert", "roberta", "xlm-roberta"),
-    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+    heads=_ENCODER_HEADS,
     base_prefixes=("bert.", "roberta."),
     renames=(
         (r"^embeddings\.LayerNorm\.", "model.embeddings.norm."),
@@ -224,7 +225,7 @@ _DISTILBERT_LAYER = r"^transformer\.layer\.(\d+)\."
 DISTILBERT = Family(
     name="distilbert",
     model_types=("distilbert",),
-    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+    heads=_ENCODER_HEADS,
     base_prefixes=("distilbert.",),
     renames=(
         (r"^embeddings\.LayerNorm\.", "model.embeddings.norm."),
@@ -251,7 +252,7 @@ DISTILBERT = Family(
 ELECTRA = Family(
     name="electra",
     model_types=("electra",),
-    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+    heads=_ENCODER_HEADS,
     base_prefixes=("electra.",),
     renames=(
         (r"^embeddings_project\.", "model.embeddings.projection."),
@@ -269,7 +270,7 @@ ELECTRA = Family(
 MODERNBERT = Family(
     name="modernbert",
     model_types=("modernbert",),
-    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+    heads=_ENCODER_HEADS,
     base_prefixes=("model.",),
     renames=(
         (r"^embeddings\.tok_embeddings\.", "model.embeddings.word_embeddings."),
@@ -298,7 +299,7 @@ MODERNBERT = Family(
 NORMSWAP = Family(
     name="normswap",
     model_types=("normswap",),
-    heads=("base", "masked-lm", "sequence-classification", "token-classification", "question-answering", "causal-lm"),
+    heads=tuple(HEAD_CLASSES),
     base_prefixes=(),
     renames=((r"^(model|pooler|head|classifier|qa_outputs|lm_head)\.", r"\1."), (r"^", "model.")),
     dropped=(),

@@ -115,7 +115,7 @@ def _head(head: str, source_head: str, family: Family, attention: str) -> str:
     if head == "auto":
         head = "base" if source_head == "causal-lm" and attention == "bidirectional" else source_head
     if head not in family.heads:
-        allowed = ["auto", *family.heads]
+        allowed = ", ".join(["auto", *family.heads])
         raise ConversionError(f"head={head!r} is invalid for a {family.name}-family source: allowed are {allowed}")
     if head == "causal-lm" and attention != "causal":
         raise ConversionError("head='causal-lm' needs attention='causal'")

@@ -13,7 +13,7 @@ from datasets import Dataset, load_dataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from ..devices import compute_device
-from ..probes.sampling import continue_texts, seeded
+from ..probes.sampling import continue_texts, seeded, start_token
 from ..sharding import from_main_process, loads_weights, sharded
 from ..tasks import GLUE_TASKS, load_task
 from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
@@ -218,7 +218,7 @@ def development_batches(teacher: torch.nn.Module, tokenizer, options: HealOption
     (`DEVELOPMENT_GROUP`), in batches of 16; when sharded, sampled by the main process for every process."""
     ids = None
     if loads_weights(options.sharding):
-        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        start = start_token(tokenizer, teacher.config)
         stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=False)
         ids = stream.sample(DEVELOPMENT_GROUP)[0][: options.dev_size]
     if sharded(options.sharding):
@@ -250,9 +250,9 @@ def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -
     group of 1,024 texts would take gigabytes of its memory."""
     if not callable(getattr(teacher, "generate", None)):
         raise HealError("--data teacher needs a teacher that generates (a causal LM); the teacher has no such head")
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    start = start_token(tokenizer, teacher.config)
     if start is None:
-        raise HealError("--data teacher needs a tokenizer with a BOS or EOS token to start each text from")
+        raise HealError("--data teacher needs a BOS or EOS token (the tokenizer's or the teacher's) to start from")
     states = options.sample_count is None and compute_device(teacher).type == "cpu"
     stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=states)
     if options.sample_count is None:

@@ -43,7 +43,7 @@ class NormRemoval(TrainerCallback):
         if schedule not in NORM_FREE_SCHEDULES:
             raise HealError(
                 f"swap_schedule={schedule!r} is invalid for a norm-free student: allowed are "
-                f"{['direct', *NORM_FREE_SCHEDULES]}"
+                f"{', '.join(['direct', *NORM_FREE_SCHEDULES])}"
             )
         base = getattr(model, "get_base_model", lambda: model)().base_model  # through a PEFT wrapper
         points = [norms.input_norm for layer in base.layers for norms in (layer.attention_norms, layer.mlp_norms)]

@@ -234,7 +234,7 @@ class HealOptions:
                 ),
             ),
             "help": "with --data teacher: the development texts the stop (--stop-patience) and a norm-free "
-            "student's stages (--swap-schedule) are measured on (at most 64)",
+            f"student's stages (--swap-schedule) are measured on (at most {DEVELOPMENT_TEXTS})",
         },
     )
     learning_rate: float | None = field(

@@ -62,6 +62,10 @@ def mix_ln_placement(num_hidden_layers: int, post_fraction: float = 0.25) -> lis
     return ["post"] * num_post + ["pre"] * (num_hidden_layers - num_post)
 
 
+def _allowed(names) -> str:
+    return f"allowed are {', '.join(names)}"
+
+
 def _require(condition: bool, field: str, value, allowed: str) -> None:
     if not condition:
         raise ValueError(f"NormSwapConfig.{field}={value!r} is invalid: {allowed}.")
@@ -98,13 +102,13 @@ _NORM_AND_POSITION_CHECKS = (
         lambda value, config: value is None or len(value) == 2 * config.num_hidden_layers + 1,
         "one per sublayer and one before the head ({config.num_hidden_layers} layers), or None",
     ),  # fmt: skip
-    ("norm_type", lambda value, config: value in NORM_TYPES, f"allowed types are {list(NORM_TYPES)}"),
+    ("norm_type", lambda value, config: value in NORM_TYPES, _allowed(NORM_TYPES)),
     ("norm_eps", lambda value, config: value > 0, "must be positive"),
     ("dyt_alpha_init", lambda value, config: value > 0, "must be positive"),
     (
         "position_embedding_type",
         lambda value, config: value in POSITION_EMBEDDING_TYPES,
-        f"allowed types are {list(POSITION_EMBEDDING_TYPES)}",
+        _allowed(POSITION_EMBEDDING_TYPES),
     ),
     ("max_position_embeddings", lambda value, config: value >= 1, _POSITIVE_INTEGER),
     ("position_offset", lambda value, config: value >= 0, "must be 0 or more"),
@@ -120,24 +124,24 @@ _NORM_AND_POSITION_CHECKS = (
     ),
 )
 _MODULE_CHECKS = (
-    ("qk_norm_scope", lambda value, config: value in QK_NORM_SCOPES, f"allowed scopes are {list(QK_NORM_SCOPES)}"),
+    ("qk_norm_scope", lambda value, config: value in QK_NORM_SCOPES, _allowed(QK_NORM_SCOPES)),
     *(
         (field, lambda value, config: value is None or value > 0, "must be None or positive")
         for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
     ),
     ("embedding_multiplier", lambda value, config: value > 0, "must be positive"),
     ("type_vocab_size", lambda value, config: value >= 0, "must be 0 (none) or more"),
-    ("hidden_act", lambda value, config: value in ACT2FN, f"allowed are {sorted(ACT2FN)}"),
-    ("mlp_type", lambda value, config: value in MLP_TYPES, f"allowed types are {list(MLP_TYPES)}"),
+    ("hidden_act", lambda value, config: value in ACT2FN, _allowed(sorted(ACT2FN))),
+    ("mlp_type", lambda value, config: value in MLP_TYPES, _allowed(MLP_TYPES)),
     (
         "classifier_pooling",
         lambda value, config: value in CLASSIFIER_POOLINGS,
-        f"allowed poolings are {list(CLASSIFIER_POOLINGS)}",
+        _allowed(CLASSIFIER_POOLINGS),
     ),
     (
         "classifier_activation",
         lambda value, config: value is None or value in ACT2FN,
-        f"allowed are None (no dense layer) and {sorted(ACT2FN)}",
+        _allowed(["None (no dense layer)", *sorted(ACT2FN)]),
     ),
     *(
         (
@@ -152,7 +156,7 @@ _MODULE_CHECKS = (
         for field in ("attention_dropout", "hidden_dropout", "classifier_dropout")
     ),
     ("initializer_range", lambda value, config: value >= 0, "must be 0 or more"),
-    ("initializer", lambda value, config: value in INITIALIZERS, f"allowed are {list(INITIALIZERS)}"),
+    ("initializer", lambda value, config: value in INITIALIZERS, _allowed(INITIALIZERS)),
     (
         "pad_token_id",
         lambda value, config: value is None or 0 <= value < config.vocab_size,
@@ -368,7 +372,7 @@ class NormSwapConfig(PreTrainedConfig):
         _check_rows(self, _MODULE_CHECKS)
 
     def _check_norm_placement(self) -> None:
-        allowed = f"allowed placements are {sorted(NORM_PLACEMENTS)}"
+        allowed = _allowed(NORM_PLACEMENTS)
         if isinstance(self.norm_placement, str):
             _require(self.norm_placement in NORM_PLACEMENTS, "norm_placement", self.norm_placement, allowed)
             return
@@ -389,7 +393,7 @@ class NormSwapConfig(PreTrainedConfig):
             f"needs one value for each of the {self.num_hidden_layers} layers",
         )
         for layer_type in self.layer_types:
-            _require(layer_type in LAYER_TYPES, "layer_types", layer_type, f"allowed types are {list(LAYER_TYPES)}")
+            _require(layer_type in LAYER_TYPES, "layer_types", layer_type, _allowed(LAYER_TYPES))
         _require(
             self.sliding_window is None or self.sliding_window >= 1,
             "sliding_window",

@@ -7,7 +7,7 @@ import torch
 
 from ..devices import compute_device
 from ..tasks import DATA_DIR
-from .sampling import continue_texts, seeded
+from .sampling import continue_texts, seeded, start_token
 
 
 PROBE_SIZE = 64
@@ -64,9 +64,8 @@ def sampled_batches(model: torch.nn.Module, tokenizer, count: int = 16, length: 
     was."""
     config = model.config
     length = min(length, config.max_position_embeddings - getattr(config, "position_offset", 0))
-    start = next((token for token in (config.bos_token_id, config.eos_token_id) if isinstance(token, int)), 0)
-    if tokenizer is not None:
-        start = next((token for token in (tokenizer.bos_token_id, tokenizer.eos_token_id) if token is not None), start)
+    start = start_token(tokenizer, config)
+    start = 0 if start is None else start
     with seeded(model, seed):
         starts = torch.full((count, 1), start, device=compute_device(model))
         ids = continue_texts(model, starts, length - 1, temperature=1.0, pad=start, states=False).sequences.cpu()

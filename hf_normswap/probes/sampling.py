@@ -25,6 +25,14 @@ class InverseCdfSampling(LogitsProcessor):
         return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
 
 
+def start_token(tokenizer, config) -> int | None:
+    """The token a sampled text starts from: BOS, else EOS, the tokenizer's (where there is one) before those of the
+    model's `config`; None where none is named."""
+    named = (tokenizer.bos_token_id, tokenizer.eos_token_id) if tokenizer is not None else ()
+    candidates = (*named, config.bos_token_id, config.eos_token_id)
+    return next((token for token in candidates if isinstance(token, int)), None)
+
+
 @contextlib.contextmanager
 def seeded(model: torch.nn.Module, seed: int):
     """Draws seeded by `seed` on the device `model` runs on; the global generator is left as it was."""

@@ -24,6 +24,7 @@ import torch
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config
 from ..model.layers_normswap import NormSwapLayer
+from ..option_rules import not_allowed
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -63,7 +64,7 @@ def plan_memory(
     if not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes={processes!r} is invalid: a positive integer")
     if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r} is invalid: allowed are {list(DTYPE_BYTES)}")
+        raise ValueError(not_allowed("dtype", dtype, DTYPE_BYTES))
     shards = processes if sharded else 1
     student = _meta_model(student_config)
     named = dict(student.named_parameters())
