@@ -133,11 +133,7 @@ _MODULE_CHECKS = (
     ("type_vocab_size", lambda value, config: value >= 0, "must be 0 (none) or more"),
     ("hidden_act", lambda value, config: value in ACT2FN, _allowed(sorted(ACT2FN))),
     ("mlp_type", lambda value, config: value in MLP_TYPES, _allowed(MLP_TYPES)),
-    (
-        "classifier_pooling",
-        lambda value, config: value in CLASSIFIER_POOLINGS,
-        _allowed(CLASSIFIER_POOLINGS),
-    ),
+    ("classifier_pooling", lambda value, config: value in CLASSIFIER_POOLINGS, _allowed(CLASSIFIER_POOLINGS)),
     (
         "classifier_activation",
         lambda value, config: value is None or value in ACT2FN,
