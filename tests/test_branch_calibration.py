@@ -1,5 +1,7 @@
-"""Out of pre-LN into norms on the branch (sandwich, output): calibrated conversions, and the block-wise fit that
-heals from them."""
+"""Out of pre-LN into norms on the branch (sandwich, output): calibrated conversions, and the block-wise fit and the
+gradual swap that heal from them."""
+
+import re
 
 import pytest
 import torch
@@ -8,6 +10,8 @@ from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.branch_calibration import calibrate_branches, calibrates_branches
 from hf_normswap.convert.converter import ConversionRecord
+from hf_normswap.heal import HealError
+from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
 from hf_normswap.heal.options import FITTED_DEFAULTS
 from hf_normswap.heal.reconstruction import reconstruct_layers
 from hf_normswap.model.configuration_normswap import NormSwapConfig
@@ -149,3 +153,46 @@ def test_a_sandwich_conversion_is_fitted_and_healed_with_the_causal_defaults(lla
     healed = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "healed")
     before = next_token_agreement(teacher, calibrated, [held_out])["kl"]
     assert next_token_agreement(teacher, healed, [held_out])["kl"] < before
+
+
+def test_a_gradual_swap_into_sandwich_starts_at_the_source_and_ends_at_the_target(llama):
+    """Its gates mix each branch norm with the write it normalises: shut, the conversion computes its source (the
+    stream and input norms are the source's); layer by layer they open to the calibrated sandwich."""
+    source = load_unswapped(str(llama / "llama"), head="causal-lm")
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "sandwich-calibrated").eval()
+    input_ids = torch.randint(4, 60, (3, 12), generator=torch.Generator().manual_seed(0))
+    target, expected = _logits(model, input_ids), _logits(source, input_ids)
+    assert (target - expected).abs().max() > 1e-2 * expected.abs().max()  # the swap changes the function
+    stream_rms = recorded_stream_rms(llama / "sandwich-calibrated", model.config, "layers")
+    swap = GradualSwap(model, stream_rms, "layers", max_steps=8)
+    swap.set_step(0)
+    assert stream_rms is None and swap.mix.gates.tolist() == [0.0] * 4
+    assert (_logits(model, input_ids) - expected).abs().max() <= 1e-5 * expected.abs().max()
+    swap.set_step(1)  # half of layer 0 open, layer 1 shut
+    assert swap.mix.gates.tolist() == [0.5, 0.5, 0.0, 0.0]
+    swap.set_step(4)
+    assert torch.equal(_logits(model, input_ids), target)
+    swap.remove()
+
+
+def test_a_sandwich_conversion_heals_gradually(llama, tmp_path):
+    options = dict(max_steps=8, learning_rate=1e-3, batch_size=8, eval_size=16, stop_patience=0, log=None)
+    report = heal_checkpoint(
+        str(llama / "sandwich-calibrated"), str(tmp_path / "layers"), **options, swap_schedule="layers"
+    )
+    assert report["swap_schedule"] == "layers" and report["reconstruction"] is None  # no fit before a gradual swap
+    assert report["next_token"]["after"]["kl"] < report["next_token"]["before"]["kl"]
+
+
+@pytest.mark.parametrize(
+    ("variant", "schedule", "error"),
+    [
+        ("sandwich-calibrated", "taper", "swap_schedule='taper' is for a stream its norms write"),
+        ("output-calibrated", "gate", "swap_schedule='gate' needs a calibrated conversion out of pre-LN into post, "),
+        ("sandwich-shifted", "layers", "swap_schedule='layers' needs a calibrated conversion out of pre-LN into "),
+    ],
+)
+def test_gradual_swaps_that_cannot_start_at_the_source_are_refused(llama, tmp_path, variant, schedule, error):
+    with pytest.raises(HealError, match=f"^{re.escape(error)}"):
+        heal_checkpoint(str(llama / variant), str(tmp_path / "healed"), swap_schedule=schedule, max_steps=2, log=None)
+    assert not (tmp_path / "healed").exists()

@@ -1,8 +1,9 @@
 """A gradual swap out of pre-LN: the student starts computing what its source computes and moves to its own
-placement during healing, its stream points' gates (`probes.stream_mix`) opening over the first half of the steps,
-all at once (`gate`) or one layer after another (`layers`); with `taper`, one layer after another too, from the exact
-post-LN rewrite that divides each write by the token's own stream RMS to the median's (`per_token_stream`). Before
-the first step (where the healing measures the student as it starts) the gates are open.
+placement during healing, its gates (`probes.stream_mix`) opening over the first half of the steps, all at once
+(`gate`) or one layer after another (`layers`); with `taper`, one layer after another too, from the exact post-LN
+rewrite that divides each write by the token's own stream RMS to the median's (`per_token_stream`). A stream its
+norms write (post, pre_post, deepnorm) is gated at its stream points, sandwich at its branch norms. Before the first
+step (where the healing measures the student as it starts) the gates are open.
 """
 
 from pathlib import Path
@@ -13,18 +14,24 @@ from transformers import TrainerCallback
 
 from ..convert.calibration import CalibrationRecord
 from ..convert.converter import ConversionRecord
-from ..probes.stream_mix import StreamMix
+from ..model.configuration_normswap import NormSwapConfig
+from ..probes.stream_mix import BranchMix, StreamMix
 from .options import HealError
 
 
-class GradualSwap(StreamMix, TrainerCallback):
-    """The student mixed with its source (`StreamMix`), and the schedule that opens the gates."""
+class GradualSwap(TrainerCallback):
+    """The student mixed with its source (`StreamMix` at the stream points, or `BranchMix` at sandwich's branch norms
+    where `stream_rms` is None), and the schedule that opens the gates."""
 
-    def __init__(self, model: nn.Module, stream_rms: list[float], schedule: str, max_steps: int):
+    def __init__(self, model: nn.Module, stream_rms: list[float] | None, schedule: str, max_steps: int):
         if schedule == "stages":
             raise HealError("swap_schedule='stages' is for norm-free students (norm_placement 'none')")
+        if schedule == "taper" and stream_rms is None:
+            raise HealError(
+                "swap_schedule='taper' is for a stream its norms write: sandwich's keeps each write's size"
+            )
         try:
-            super().__init__(model, stream_rms, per_token_stream=schedule == "taper")
+            self.mix = BranchMix(model) if stream_rms is None else StreamMix(model, stream_rms, schedule == "taper")
         except ValueError as error:
             raise HealError(f"swap_schedule={schedule!r}: {error}") from None
         self.schedule, self.opening_steps = schedule, max(1, max_steps // 2)
@@ -34,12 +41,16 @@ class GradualSwap(StreamMix, TrainerCallback):
         """Opens the gates for training step `step`."""
         progress = min(1.0, step / self.opening_steps)
         if self.schedule == "gate":
-            self.gates.fill_(progress)
+            self.mix.gates.fill_(progress)
             return
         # layers and taper: layer l opens while progress * layers goes from l to l + 1
-        per_layer = (progress * self.layers - torch.arange(self.layers)).clamp(0, 1).repeat_interleave(2)
-        self.gates.copy_(per_layer)
-        self.per_token.copy_(1 - per_layer)  # taper: its writes from the token's own RMS to the median's
+        per_layer = (progress * self.mix.layers - torch.arange(self.mix.layers)).clamp(0, 1).repeat_interleave(2)
+        self.mix.gates.copy_(per_layer)
+        if self.schedule == "taper":
+            self.mix.per_token.copy_(1 - per_layer)  # its writes from the token's own RMS to the median's
+
+    def remove(self) -> None:
+        self.mix.remove()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.set_step(state.global_step)
@@ -64,12 +75,15 @@ def calibrated_out_of_pre_ln(variant: Path) -> bool:
     return calibration is not None and bool(calibration.out_of_pre_ln or calibration.stream_rms)
 
 
-def recorded_stream_rms(variant: Path, needed_by: str) -> list[float]:
-    """`conversion_stream_rms`, which `needed_by` (an option, as the user set it) needs."""
-    stream_rms = conversion_stream_rms(variant)
-    if stream_rms is None:
-        raise HealError(
-            f"{needed_by} needs a calibrated conversion out of pre-LN into post, pre_post or deepnorm; "
-            f"{variant}'s conversion.json records none"
-        )
-    return stream_rms
+def recorded_stream_rms(variant: Path, config: NormSwapConfig, needed_by: str) -> list[float] | None:
+    """`conversion_stream_rms`, which `needed_by` (an option, as the user set it) needs for the student of `config`;
+    None for a calibrated conversion out of pre-LN into sandwich, whose stream is the source's."""
+    calibration = _conversion_calibration(variant)
+    if calibration and calibration.stream_rms:
+        return calibration.stream_rms
+    if calibration and calibration.out_of_pre_ln and set(config.layer_norm_placements) == {"sandwich"}:
+        return None
+    raise HealError(
+        f"{needed_by} needs a calibrated conversion out of pre-LN into post, pre_post, deepnorm or sandwich; "
+        f"{variant}'s conversion.json records none"
+    )

@@ -89,7 +89,8 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     if options.swap_schedule == "direct" and removes_norms(models.student.config):
         models.student.config.first_position_scales = None  # every norm at once, the first position's divisors too
     if options.swap_schedule != "direct" and not removes_norms(models.student.config):
-        stream_rms = recorded_stream_rms(Path(variant), f"swap_schedule={options.swap_schedule!r}")
+        needed_by = f"swap_schedule={options.swap_schedule!r}"
+        stream_rms = recorded_stream_rms(Path(variant), models.student.config, needed_by)
     out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
     options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
     if options.checkpoint_dir and not resumable(options.sharding):

@@ -123,6 +123,43 @@ class StreamMix:
             hook.remove()
 
 
+class BranchMix:
+    """Hooks on a conversion out of pre-LN into sandwich that mix each branch norm B with its input by `gates`, one a
+    sublayer: g * B(F) + (1 - g) * F. The input norms and the stream are the source's, so with every gate shut the
+    student computes its source exactly, and with every gate open its own function."""
+
+    def __init__(self, model: nn.Module):
+        base = getattr(model, "get_base_model", lambda: model)().base_model  # through a PEFT wrapper
+        self.layers = len(base.layers)
+        self.gates = torch.ones(2 * self.layers)
+        sublayers = [norms for layer in base.layers for norms in (layer.attention_norms, layer.mlp_norms)]
+        if not all(_branch_only(norms) for norms in sublayers):
+            raise ValueError(
+                "the branch mix needs an input and a branch norm at every sublayer, and none on the stream"
+            )
+        self.hooks = [
+            norms.output_norm.register_forward_hook(self._mix(point)) for point, norms in enumerate(sublayers)
+        ]
+
+    def _mix(self, point: int):
+        def hook(norm, args, output):
+            gate = self.gates[point].item()
+            return None if gate == 1.0 else gate * output + (1 - gate) * args[0]
+
+        return hook
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def _branch_only(norms: nn.Module) -> bool:
+    kept = [
+        not isinstance(getattr(norms, slot), nn.Identity) for slot in ("input_norm", "output_norm", "residual_norm")
+    ]
+    return kept == [True, True, False] and norms.residual_scale == 1.0 and norms.residual_weight is None
+
+
 @contextlib.contextmanager
 def stream_mix(model: nn.Module, stream_rms: list[float], per_token_stream: bool = False) -> Iterator[StreamMix]:
     """`model` mixed with its source (`StreamMix`) for the block, its hooks removed after."""
