@@ -113,7 +113,8 @@ class HealOptions:
             "choices": SWAP_SCHEDULES,
             "help": "out of pre-LN: start from the source's function and move to the target placement over the first "
             "half of the steps, all layers at once (gate), one layer after another (layers), or one layer after "
-            "another from writes divided by each token's own stream RMS to the median's (taper); norm-free: the "
+            "another from writes divided by each token's own stream RMS to the median's (taper; not into sandwich, "
+            "whose gates are at its branch norms); norm-free: the "
             "removed norms leave all at once (gate), a layer at a time (layers), or the MLPs', attention's, then the "
             "final norm (stages); direct: at once",
         },
