@@ -18,6 +18,8 @@ from hf_normswap.model.configuration_normswap import NormSwapConfig
 from hf_normswap.model.heads import HEAD_CLASSES
 from hf_normswap.probes.next_token import next_token_agreement
 from hf_normswap.probes.probe_data import probe_batches, probe_tokenizer
+from hf_normswap.probes.stream_mix import kl_by_layer
+from hf_normswap.probes.swap_effect import swap_batch
 
 from helpers import save_source
 
@@ -173,6 +175,24 @@ def test_a_gradual_swap_into_sandwich_starts_at_the_source_and_ends_at_the_targe
     swap.set_step(4)
     assert torch.equal(_logits(model, input_ids), target)
     swap.remove()
+
+
+def test_kl_by_layer_of_a_sandwich_conversion_swaps_each_layer_alone(llama):
+    """conversion.json's swap effect gives, for sandwich too, the KL with each layer's branch norms alone in place:
+    what the branch mix computes with that layer's two gates open; an output conversion, whose readers are folded,
+    gives none."""
+    effect = ConversionRecord.read(llama / "sandwich-calibrated").verification.swap_effect
+    source = load_unswapped(str(llama / "llama"), head="causal-lm")
+    model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "sandwich-calibrated").eval()
+    batch = swap_batch(llama / "sandwich-calibrated", model.config.vocab_size)
+    per_layer = kl_by_layer(source, model, None, [batch])
+    assert effect["kl_by_layer"] == pytest.approx(per_layer, rel=1e-4, abs=1e-7)
+    assert len(per_layer) == 2 and min(per_layer) > 1e-4
+    swap = GradualSwap(model, None, "gate", max_steps=2)
+    swap.mix.gates[2:] = 0  # layer 0 alone swapped
+    assert next_token_agreement(source, model, [batch])["kl"] == pytest.approx(per_layer[0], rel=1e-4)
+    swap.remove()
+    assert "kl_by_layer" not in ConversionRecord.read(llama / "output-calibrated").verification.swap_effect
 
 
 def test_a_sandwich_conversion_heals_gradually(llama, tmp_path):

@@ -52,6 +52,11 @@ class CalibrationRecord:
     out_of_pre_ln: bool = False  # the source pre-LN: the block-wise fit of `heal` can start from it
     removed_norm_rms: list[float] | None = None  # norm-free: what each removed norm divided by (the config's too)
 
+    def gates_layers(self, target: NormSwapConfig) -> bool:
+        """Whether the calibrated `target` can compute its source with any of its layers alone swapped
+        (`probes.stream_mix`): into a stream its norms write, through `stream_rms`, or into sandwich."""
+        return bool(self.stream_rms) or (self.out_of_pre_ln and set(target.layer_norm_placements) == {"sandwich"})
+
 
 def calibrate_checkpoint(
     *,

@@ -169,6 +169,7 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
                     log=log,
                     low_memory=low_memory,
                     stream_rms=calibration.stream_rms if calibration else None,
+                    by_layer=calibration is not None and calibration.gates_layers(plan.target),
                     head_took_final_norm=head_took_final_norm,
                 )
             else:

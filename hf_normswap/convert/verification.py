@@ -163,13 +163,15 @@ def verify_conversion(
     log,
     low_memory: bool = False,
     stream_rms: list[float] | None = None,
+    by_layer: bool = False,
     head_took_final_norm: bool = False,
 ) -> Verification:
     """Runs the source, the unswapped conversion (`plain_model`) and the model written in FOLDER on random padded
     inputs. Raises when the unswapped conversion is beyond tolerance; records whether the written model is exact,
     how far it is, the swap's effect and collapse. With `low_memory`, the source's model and the written one hold one
-    module's weights at a time (`load_pretrained`). With the source's `stream_rms` (a calibrated conversion out of
-    pre-LN), a causal LM's swap effect also gives the KL with each layer alone swapped (`stream_mix.kl_by_layer`).
+    module's weights at a time (`load_pretrained`). With `by_layer` (a calibrated conversion out of pre-LN into a
+    stream its norms write, whose `stream_rms` the source had, or into sandwich), a causal LM's swap effect also gives
+    the KL with each layer alone swapped (`stream_mix.kl_by_layer`).
     Where the head took the final norm's gain (`head_took_final_norm`), only the logits are compared."""
     plain = plain_model.config
     native = load_pretrained(NATIVE_AUTO_CLASSES[plan.head], plan.folder, low_memory)
@@ -194,7 +196,7 @@ def verify_conversion(
     log(f"written model: {'exact' if exact else 'approximate'} (max |difference| to the source: {compared})")
 
     effect = swap_effect(before=plain_model, after=written, folder=folder, head=plan.head)
-    if "kl" in effect and stream_rms is not None:
+    if "kl" in effect and by_layer:
         batch = swap_batch(folder, written.config.vocab_size)
         effect["kl_by_layer"] = kl_by_layer(plain_model, written, stream_rms, [batch])
     log(_swap_line(effect))

@@ -79,10 +79,8 @@ def recorded_stream_rms(variant: Path, config: NormSwapConfig, needed_by: str) -
     """`conversion_stream_rms`, which `needed_by` (an option, as the user set it) needs for the student of `config`;
     None for a calibrated conversion out of pre-LN into sandwich, whose stream is the source's."""
     calibration = _conversion_calibration(variant)
-    if calibration and calibration.stream_rms:
-        return calibration.stream_rms
-    if calibration and calibration.out_of_pre_ln and set(config.layer_norm_placements) == {"sandwich"}:
-        return None
+    if calibration and calibration.gates_layers(config):
+        return calibration.stream_rms or None
     raise HealError(
         f"{needed_by} needs a calibrated conversion out of pre-LN into post, pre_post, deepnorm or sandwich; "
         f"{variant}'s conversion.json records none"

@@ -171,15 +171,21 @@ def stream_mix(model: nn.Module, stream_rms: list[float], per_token_stream: bool
 
 
 @torch.no_grad()
-def kl_by_layer(source: nn.Module, model: nn.Module, stream_rms: list[float], batches: list[dict]) -> list[float]:
+def kl_by_layer(
+    source: nn.Module, model: nn.Module, stream_rms: list[float] | None, batches: list[dict]
+) -> list[float]:
     """The next-token KL(source || model) in nats per token with each layer alone in the target placement, every
-    other computing the source's function: where a conversion out of pre-LN loses what it loses."""
+    other computing the source's function (through `stream_rms`, or at sandwich's branch norms where None): where a
+    conversion out of pre-LN loses what it loses."""
     kls, expected = [], list(next_token_log_probs(source, batches))  # the source's, once
-    with stream_mix(model, stream_rms) as mix:
+    mix = BranchMix(model) if stream_rms is None else StreamMix(model, stream_rms)
+    try:
         for layer in range(mix.layers):
             mix.gates.zero_()
             mix.gates[2 * layer : 2 * layer + 2] = 1
             kls.append(agreement_with(expected, model, batches)["kl"])
+    finally:
+        mix.remove()
     return kls
 
 
