@@ -11,14 +11,14 @@ from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.branch_calibration import calibrate_branches, calibrates_branches
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.heal import HealError
-from hf_normswap.heal.gradual_swap import GradualSwap, recorded_stream_rms
+from hf_normswap.heal.gradual_swap import GradualSwap, recorded_layer_gates
 from hf_normswap.heal.options import FITTED_DEFAULTS
 from hf_normswap.heal.reconstruction import reconstruct_layers
 from hf_normswap.model.configuration_normswap import NormSwapConfig
 from hf_normswap.model.heads import HEAD_CLASSES
 from hf_normswap.probes.next_token import next_token_agreement
 from hf_normswap.probes.probe_data import probe_batches, probe_tokenizer
-from hf_normswap.probes.stream_mix import kl_by_layer
+from hf_normswap.probes.stream_mix import LayerGates, kl_by_layer
 from hf_normswap.probes.swap_effect import swap_batch
 
 from helpers import save_source
@@ -165,10 +165,10 @@ def test_a_gradual_swap_into_sandwich_starts_at_the_source_and_ends_at_the_targe
     input_ids = torch.randint(4, 60, (3, 12), generator=torch.Generator().manual_seed(0))
     target, expected = _logits(model, input_ids), _logits(source, input_ids)
     assert (target - expected).abs().max() > 1e-2 * expected.abs().max()  # the swap changes the function
-    stream_rms = recorded_stream_rms(llama / "sandwich-calibrated", model.config, "layers")
-    swap = GradualSwap(model, stream_rms, "layers", max_steps=8)
+    gates = recorded_layer_gates(llama / "sandwich-calibrated", model.config, "layers")
+    swap = GradualSwap(model, gates, "layers", max_steps=8)
     swap.set_step(0)
-    assert stream_rms is None and swap.mix.gates.tolist() == [0.0] * 4
+    assert gates == LayerGates() and swap.mix.gates.tolist() == [0.0] * 4
     assert (_logits(model, input_ids) - expected).abs().max() <= 1e-5 * expected.abs().max()
     swap.set_step(1)  # half of layer 0 open, layer 1 shut
     assert swap.mix.gates.tolist() == [0.5, 0.5, 0.0, 0.0]
@@ -185,10 +185,10 @@ def test_kl_by_layer_of_a_sandwich_conversion_swaps_each_layer_alone(llama):
     source = load_unswapped(str(llama / "llama"), head="causal-lm")
     model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / "sandwich-calibrated").eval()
     batch = swap_batch(llama / "sandwich-calibrated", model.config.vocab_size)
-    per_layer = kl_by_layer(source, model, None, [batch])
+    per_layer = kl_by_layer(source, model, LayerGates(), [batch])
     assert effect["kl_by_layer"] == pytest.approx(per_layer, rel=1e-4, abs=1e-7)
     assert len(per_layer) == 2 and min(per_layer) > 1e-4
-    swap = GradualSwap(model, None, "gate", max_steps=2)
+    swap = GradualSwap(model, LayerGates(), "gate", max_steps=2)
     swap.mix.gates[2:] = 0  # layer 0 alone swapped
     assert next_token_agreement(source, model, [batch])["kl"] == pytest.approx(per_layer[0], rel=1e-4)
     swap.remove()
@@ -202,6 +202,7 @@ def test_a_sandwich_conversion_heals_gradually(llama, tmp_path):
     )
     assert report["swap_schedule"] == "layers" and report["reconstruction"] is None  # no fit before a gradual swap
     assert report["next_token"]["after"]["kl"] < report["next_token"]["before"]["kl"]
+    assert len(report["next_token"]["before"]["kl_by_layer"]) == 2  # the conversion, each layer alone
 
 
 @pytest.mark.parametrize(

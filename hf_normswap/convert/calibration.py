@@ -26,6 +26,7 @@ from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
 from ..model.heads import HEAD_CLASSES
 from ..probes.probe_data import probe_batches, probe_tokenizer, sampled_batches
+from ..probes.stream_mix import LayerGates
 from .branch_calibration import calibrate_branches, calibrates_branches, removes_norms
 from .layer_stream import LayerStream
 from .lazy_layers import folder_loaders, lazy_of, load_layer
@@ -52,10 +53,12 @@ class CalibrationRecord:
     out_of_pre_ln: bool = False  # the source pre-LN: the block-wise fit of `heal` can start from it
     removed_norm_rms: list[float] | None = None  # norm-free: what each removed norm divided by (the config's too)
 
-    def gates_layers(self, target: NormSwapConfig) -> bool:
-        """Whether the calibrated `target` can compute its source with any of its layers alone swapped
-        (`probes.stream_mix`): into a stream its norms write, through `stream_rms`, or into sandwich."""
-        return bool(self.stream_rms) or (self.out_of_pre_ln and set(target.layer_norm_placements) == {"sandwich"})
+    def layer_gates(self, target: NormSwapConfig) -> LayerGates | None:
+        """How the calibrated `target` computes its source layer by layer (`probes.stream_mix`), or None where it
+        cannot: into a stream its norms write, or into sandwich."""
+        if self.stream_rms:
+            return LayerGates(self.stream_rms)
+        return LayerGates() if self.out_of_pre_ln and set(target.layer_norm_placements) == {"sandwich"} else None
 
 
 def calibrate_checkpoint(

@@ -168,8 +168,7 @@ def _convert(plan: ConversionPlan, options: ConvertOptions, *, output: str, over
                     compare_logits=plan.head != "base" and not weights.initialized_at_load,
                     log=log,
                     low_memory=low_memory,
-                    stream_rms=calibration.stream_rms if calibration else None,
-                    by_layer=calibration is not None and calibration.gates_layers(plan.target),
+                    layer_gates=calibration.layer_gates(plan.target) if calibration else None,
                     head_took_final_norm=head_took_final_norm,
                 )
             else:

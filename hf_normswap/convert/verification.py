@@ -12,7 +12,7 @@ from ..checkpoint import read_tensors, resolve_source, weight_files
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, empty_model, local_name
 from ..probes.collapse import COLLAPSE_MARGIN, conversion_collapse
-from ..probes.stream_mix import kl_by_layer, largest_layers
+from ..probes.stream_mix import LayerGates, kl_by_layer, largest_layers
 from ..probes.swap_effect import swap_batch, swap_effect
 from .exact_swaps import keeps_last_hidden_state
 from .families import Family, family_of, normswap_config
@@ -162,16 +162,15 @@ def verify_conversion(
     compare_logits: bool,
     log,
     low_memory: bool = False,
-    stream_rms: list[float] | None = None,
-    by_layer: bool = False,
+    layer_gates: LayerGates | None = None,
     head_took_final_norm: bool = False,
 ) -> Verification:
     """Runs the source, the unswapped conversion (`plain_model`) and the model written in FOLDER on random padded
     inputs. Raises when the unswapped conversion is beyond tolerance; records whether the written model is exact,
     how far it is, the swap's effect and collapse. With `low_memory`, the source's model and the written one hold one
-    module's weights at a time (`load_pretrained`). With `by_layer` (a calibrated conversion out of pre-LN into a
-    stream its norms write, whose `stream_rms` the source had, or into sandwich), a causal LM's swap effect also gives
-    the KL with each layer alone swapped (`stream_mix.kl_by_layer`).
+    module's weights at a time (`load_pretrained`). With `layer_gates` (a calibrated conversion out of pre-LN that
+    can compute its source layer by layer), a causal LM's swap effect also gives the KL with each layer alone swapped
+    (`stream_mix.kl_by_layer`).
     Where the head took the final norm's gain (`head_took_final_norm`), only the logits are compared."""
     plain = plain_model.config
     native = load_pretrained(NATIVE_AUTO_CLASSES[plan.head], plan.folder, low_memory)
@@ -196,9 +195,9 @@ def verify_conversion(
     log(f"written model: {'exact' if exact else 'approximate'} (max |difference| to the source: {compared})")
 
     effect = swap_effect(before=plain_model, after=written, folder=folder, head=plan.head)
-    if "kl" in effect and by_layer:
+    if "kl" in effect and layer_gates is not None:
         batch = swap_batch(folder, written.config.vocab_size)
-        effect["kl_by_layer"] = kl_by_layer(plain_model, written, stream_rms, [batch])
+        effect["kl_by_layer"] = kl_by_layer(plain_model, written, layer_gates, [batch])
     log(_swap_line(effect))
     collapse = conversion_collapse(source=plain_model, variant=written, folder=folder)
     log(_collapse_line(collapse))

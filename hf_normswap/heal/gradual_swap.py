@@ -15,23 +15,23 @@ from transformers import TrainerCallback
 from ..convert.calibration import CalibrationRecord
 from ..convert.converter import ConversionRecord
 from ..model.configuration_normswap import NormSwapConfig
-from ..probes.stream_mix import BranchMix, StreamMix
+from ..probes.stream_mix import LayerGates
 from .options import HealError
 
 
 class GradualSwap(TrainerCallback):
-    """The student mixed with its source (`StreamMix` at the stream points, or `BranchMix` at sandwich's branch norms
-    where `stream_rms` is None), and the schedule that opens the gates."""
+    """The student mixed with its source through its `gates` (`probes.stream_mix`), and the schedule that opens
+    them."""
 
-    def __init__(self, model: nn.Module, stream_rms: list[float] | None, schedule: str, max_steps: int):
+    def __init__(self, model: nn.Module, gates: LayerGates, schedule: str, max_steps: int):
         if schedule == "stages":
             raise HealError("swap_schedule='stages' is for norm-free students (norm_placement 'none')")
-        if schedule == "taper" and stream_rms is None:
+        if schedule == "taper" and gates.stream_rms is None:
             raise HealError(
                 "swap_schedule='taper' is for a stream its norms write: sandwich's keeps each write's size"
             )
         try:
-            self.mix = BranchMix(model) if stream_rms is None else StreamMix(model, stream_rms, schedule == "taper")
+            self.mix = gates.mix(model, per_token_stream=schedule == "taper")
         except ValueError as error:
             raise HealError(f"swap_schedule={schedule!r}: {error}") from None
         self.schedule, self.opening_steps = schedule, max(1, max_steps // 2)
@@ -61,11 +61,11 @@ def _conversion_calibration(variant: Path) -> CalibrationRecord | None:
     return record.calibration if record else None
 
 
-def conversion_stream_rms(variant: Path) -> list[float] | None:
-    """The source's stream RMS that a calibrated conversion out of pre-LN into a normalised stream recorded in
-    VARIANT's conversion.json, or None."""
+def conversion_layer_gates(variant: Path, config: NormSwapConfig) -> LayerGates | None:
+    """How VARIANT (of `config`), calibrated out of pre-LN, computes its source layer by layer, from its
+    conversion.json, or None."""
     calibration = _conversion_calibration(variant)
-    return (calibration.stream_rms if calibration else None) or None
+    return calibration.layer_gates(config) if calibration else None
 
 
 def calibrated_out_of_pre_ln(variant: Path) -> bool:
@@ -75,13 +75,12 @@ def calibrated_out_of_pre_ln(variant: Path) -> bool:
     return calibration is not None and bool(calibration.out_of_pre_ln or calibration.stream_rms)
 
 
-def recorded_stream_rms(variant: Path, config: NormSwapConfig, needed_by: str) -> list[float] | None:
-    """`conversion_stream_rms`, which `needed_by` (an option, as the user set it) needs for the student of `config`;
-    None for a calibrated conversion out of pre-LN into sandwich, whose stream is the source's."""
-    calibration = _conversion_calibration(variant)
-    if calibration and calibration.gates_layers(config):
-        return calibration.stream_rms or None
-    raise HealError(
-        f"{needed_by} needs a calibrated conversion out of pre-LN into post, pre_post, deepnorm or sandwich; "
-        f"{variant}'s conversion.json records none"
-    )
+def recorded_layer_gates(variant: Path, config: NormSwapConfig, needed_by: str) -> LayerGates:
+    """`conversion_layer_gates`, which `needed_by` (an option, as the user set it) needs."""
+    gates = conversion_layer_gates(variant, config)
+    if gates is None:
+        raise HealError(
+            f"{needed_by} needs a calibrated conversion out of pre-LN into post, pre_post, deepnorm or sandwich; "
+            f"{variant}'s conversion.json records none"
+        )
+    return gates

@@ -33,7 +33,7 @@ from ..probes.next_token import (
     greedy_prompts,
     next_token_log_probs,
 )
-from ..probes.stream_mix import kl_by_layer
+from ..probes.stream_mix import LayerGates, kl_by_layer
 from ..sharding import (
     gathered,
     is_main_process,
@@ -46,7 +46,7 @@ from ..sharding import (
     with_sharding_section,
 )
 from .data import HealTexts, heal_texts
-from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_stream_rms, recorded_stream_rms
+from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_layer_gates, recorded_layer_gates
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
 from .models import HealModels, layer_parameters, load_models, memory_settings
 from .norm_removal import NormRemoval
@@ -84,13 +84,13 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     """
     options = HealOptions(**with_sharding_section(options))
     check_output(output, overwrite)
-    stream_rms = conversion_stream_rms(Path(variant))
     models = load_models(variant, options)
+    gates = conversion_layer_gates(Path(variant), models.student.config)
     if options.swap_schedule == "direct" and removes_norms(models.student.config):
         models.student.config.first_position_scales = None  # every norm at once, the first position's divisors too
     if options.swap_schedule != "direct" and not removes_norms(models.student.config):
         needed_by = f"swap_schedule={options.swap_schedule!r}"
-        stream_rms = recorded_stream_rms(Path(variant), models.student.config, needed_by)
+        gates = recorded_layer_gates(Path(variant), models.student.config, needed_by)
     out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
     options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
     if options.checkpoint_dir and not resumable(options.sharding):
@@ -106,13 +106,13 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     fit = None
     if options.reconstruct_steps:  # the fit's texts checked by every process; the main one fits, before sharding
         batches = reconstruction_batches(texts.train, tokenizer, options)
-        fit = _fit_layers(models, texts, tokenizer, batches, options, stream_rms) if main else None
+        fit = _fit_layers(models, texts, tokenizer, batches, options, gates) if main else None
     prepare_trained(models.student, options.sharding)
     prepare_frozen(models.teacher, options.sharding)
     log = log if main else None
     with output_folder(output, overwrite) if main else _scratch_folder() as staging:
         work = Path(options.checkpoint_dir) if options.checkpoint_dir else staging / "trainer"
-        report = _heal(models, texts, tokenizer, options, work=work, quiet=log is None, stream_rms=stream_rms, fit=fit)
+        report = _heal(models, texts, tokenizer, options, work=work, quiet=log is None, gates=gates, fit=fit)
         _save(models, source=Path(variant), staging=staging, report=report, main=main)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
     if options.checkpoint_dir and main:
@@ -143,14 +143,14 @@ class _FittedLayers:
 
 
 def _gradual_swap(
-    student, stream_rms: list[float] | None, options: HealOptions, development: DevelopmentTexts | None
+    student, gates: LayerGates | None, options: HealOptions, development: DevelopmentTexts | None
 ) -> GradualSwap | NormRemoval | None:
     """The callback that moves the student from its source's function to its own, if `swap_schedule` asks for one
     (a norm-free student's measured on the `development` texts as each group of norms goes)."""
     if options.swap_schedule == "direct":
         return None
     if not removes_norms(student.config):
-        return GradualSwap(student, stream_rms, options.swap_schedule, options.max_steps)
+        return GradualSwap(student, gates, options.swap_schedule, options.max_steps)
     if student.config.removed_norm_rms is None:
         raise HealError(f"swap_schedule={options.swap_schedule!r} needs the removed_norm_rms a conversion records")
     rms = student.config.removed_norm_rms
@@ -164,18 +164,18 @@ def _heal(
     options: HealOptions,
     work: Path,
     quiet: bool,
-    stream_rms: list[float] | None,
+    gates: LayerGates | None,
     fit: _FittedLayers | None,
 ) -> HealReport:
     """Trains the student, measured on the held-out batches as training begins, every fifth of the way and after (by
     every process, when sharded). The layers were fitted before (`fit`, on the main process) with
     `reconstruct_steps`: the probe then measures the fitted student whole (each layer alone swapped: of the
     conversion only)."""
-    teacher, head_figures = _training_probe(models, texts, tokenizer, options, stream_rms, fit)
+    teacher, head_figures = _training_probe(models, texts, tokenizer, options, gates, fit)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
     development = DevelopmentTexts(texts.development, models.teacher) if texts.development else None
-    swap = _gradual_swap(models.student, stream_rms, options, development)
+    swap = _gradual_swap(models.student, gates, options, development)
     stop = _development_stop(development, options, from_step=swap.settled_step if swap else 0)
     callbacks = [probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None]
     log_history, seconds, tokens, resumed, steps = _train(
@@ -223,7 +223,7 @@ def _training_probe(
     texts: HealTexts,
     tokenizer,
     options: HealOptions,
-    stream_rms: list[float] | None,
+    gates: LayerGates | None,
     fit: _FittedLayers | None,
 ) -> tuple[list[tuple], Callable[..., dict]]:
     """`_held_out_probe` as training measures with it: the fit's, where this process measured it (unsharded), and
@@ -231,9 +231,9 @@ def _training_probe(
     if fit is not None and not sharded(options.sharding):
         teacher, head_figures = fit.teacher, fit.head_figures
     else:
-        teacher, head_figures = _held_out_probe(models, texts, tokenizer, stream_rms)
+        teacher, head_figures = _held_out_probe(models, texts, tokenizer, gates)
     if options.reconstruct_steps:
-        head_figures = functools.partial(head_figures, stream_rms=None)
+        head_figures = functools.partial(head_figures, gates=None)
     return teacher, head_figures
 
 
@@ -286,12 +286,12 @@ def _fit_layers(
     tokenizer,
     batches: list[dict],
     options: HealOptions,
-    stream_rms: list[float] | None,
+    gates: LayerGates | None,
 ) -> _FittedLayers:
     """The student's layers fitted one after another on `batches` (`reconstruct_layers`), before sharding (the main
     process holds both models whole), so that one process and a sharded launch fit alike; its figures through its
     head measured before."""
-    teacher, head_figures = _held_out_probe(models, texts, tokenizer, stream_rms)
+    teacher, head_figures = _held_out_probe(models, texts, tokenizer, gates)
     conversion = head_figures(models.student, before=True)["next_token"]
     started = time.perf_counter()
     errors = reconstruct_layers(
@@ -309,14 +309,14 @@ def _fit_layers(
 
 
 def _held_out_probe(
-    models: HealModels, texts: HealTexts, tokenizer, stream_rms: list[float] | None
+    models: HealModels, texts: HealTexts, tokenizer, gates: LayerGates | None
 ) -> tuple[list[tuple], Callable[..., dict]]:
     """The teacher's states on the held-out batches (every process joining, when sharded) and `_head_probe` on them,
-    each layer alone swapped with `stream_rms` where the teacher is the source."""
+    each layer alone swapped through the student's `gates` where the teacher is the source."""
     with gathered(models.teacher):
         teacher = teacher_states(models.teacher, texts.held_out)
-    separable = stream_rms is not None and models.teacher_is_source  # each layer alone: the rest compute the teacher
-    return teacher, _head_probe(models, texts, tokenizer, teacher, stream_rms=stream_rms if separable else None)
+    separable = gates is not None and models.teacher_is_source  # each layer alone: the rest compute the teacher
+    return teacher, _head_probe(models, texts, tokenizer, teacher, gates=gates if separable else None)
 
 
 def _head_results(
@@ -334,7 +334,7 @@ def _head_results(
 
 
 def _head_probe(
-    models: HealModels, texts: HealTexts, tokenizer, teacher_states: list[tuple], stream_rms: list[float] | None
+    models: HealModels, texts: HealTexts, tokenizer, teacher_states: list[tuple], gates: LayerGates | None
 ) -> Callable[..., dict]:
     """`_head_figures` on the held-out batches; the frozen teacher's greedy continuation is generated once, here."""
     greedy = None
@@ -348,7 +348,7 @@ def _head_probe(
         teacher_states=teacher_states,
         tokenizer=tokenizer,
         greedy=greedy,
-        stream_rms=stream_rms,
+        gates=gates,
     )
 
 
@@ -360,7 +360,7 @@ def _head_figures(
     teacher_states: list[tuple],
     tokenizer,
     greedy: tuple[dict, torch.Tensor] | None,
-    stream_rms: list[float] | None,
+    gates: LayerGates | None,
     before: bool = False,
     states: list[tuple] | None = None,
 ) -> dict:
@@ -368,7 +368,7 @@ def _head_figures(
     masked-LM head), or its next-token KL and top-1 agreement to the teacher and its greedy agreement with the
     teacher's continuation of the prompts (`greedy`: prompts, the teacher's tokens; with a causal-LM head). The
     next-token distributions come from the teacher's boundary states and the student's `states` where given (both
-    through their heads alone), else from the student's forward. `before` healing, with the source's `stream_rms`,
+    through their heads alone), else from the student's forward. `before` healing, with the student's `gates`,
     also the KL with each layer alone swapped (`stream_mix.kl_by_layer`), on the first held-out batch."""
     figures = {"masked_lm": None, "next_token": None}
     if models.masked_lm:
@@ -384,8 +384,8 @@ def _head_figures(
         figures["next_token"] = agreement(teacher, given, batches) | {
             "greedy_agreement": greedy_agreement(expected, student, prompts)
         }
-        if before and stream_rms is not None:  # two forwards a layer: on the first batch only
-            figures["next_token"]["kl_by_layer"] = kl_by_layer(models.teacher, student, stream_rms, batches[:1])
+        if before and gates is not None:  # two forwards a layer: on the first batch only
+            figures["next_token"]["kl_by_layer"] = kl_by_layer(models.teacher, student, gates, batches[:1])
     return figures
 
 

@@ -19,8 +19,7 @@ and g = 0 the stream is the source's exactly for every token (up to the norms' e
 divides each write by the token's own RMS. t = 0 divides by the median, as the calibrated target does.
 """
 
-import contextlib
-from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -160,25 +159,27 @@ def _branch_only(norms: nn.Module) -> bool:
     return kept == [True, True, False] and norms.residual_scale == 1.0 and norms.residual_weight is None
 
 
-@contextlib.contextmanager
-def stream_mix(model: nn.Module, stream_rms: list[float], per_token_stream: bool = False) -> Iterator[StreamMix]:
-    """`model` mixed with its source (`StreamMix`) for the block, its hooks removed after."""
-    mix = StreamMix(model, stream_rms, per_token_stream)
-    try:
-        yield mix
-    finally:
-        mix.remove()
+@dataclass(frozen=True)
+class LayerGates:
+    """Where a calibrated conversion out of pre-LN is gated to compute its source, layer by layer: at its stream
+    points through the source's `stream_rms` (into post, pre_post, deepnorm), or at its branch norms (into sandwich:
+    None)."""
+
+    stream_rms: list[float] | None = None
+
+    def mix(self, model: nn.Module, per_token_stream: bool = False) -> StreamMix | BranchMix:
+        """The hooks that gate `model`, every gate open."""
+        if self.stream_rms is None:
+            return BranchMix(model)
+        return StreamMix(model, self.stream_rms, per_token_stream)
 
 
 @torch.no_grad()
-def kl_by_layer(
-    source: nn.Module, model: nn.Module, stream_rms: list[float] | None, batches: list[dict]
-) -> list[float]:
+def kl_by_layer(source: nn.Module, model: nn.Module, gates: LayerGates, batches: list[dict]) -> list[float]:
     """The next-token KL(source || model) in nats per token with each layer alone in the target placement, every
-    other computing the source's function (through `stream_rms`, or at sandwich's branch norms where None): where a
-    conversion out of pre-LN loses what it loses."""
+    other computing the source's function through its `gates`: where a conversion out of pre-LN loses what it loses."""
     kls, expected = [], list(next_token_log_probs(source, batches))  # the source's, once
-    mix = BranchMix(model) if stream_rms is None else StreamMix(model, stream_rms)
+    mix = gates.mix(model)
     try:
         for layer in range(mix.layers):
             mix.gates.zero_()
