@@ -54,8 +54,8 @@ class CalibrationRecord:
     removed_norm_rms: list[float] | None = None  # norm-free: what each removed norm divided by (the config's too)
 
     def layer_gates(self, target: NormSwapConfig) -> LayerGates | None:
-        """How the calibrated `target` computes its source layer by layer (`probes.stream_mix`), or None where it
-        cannot: into a stream its norms write, or into sandwich."""
+        """How the calibrated `target` computes its source layer by layer (`probes.stream_mix`): into a stream its
+        norms write, or into sandwich; else None."""
         if self.stream_rms:
             return LayerGates(self.stream_rms)
         return LayerGates() if self.out_of_pre_ln and set(target.layer_norm_placements) == {"sandwich"} else None

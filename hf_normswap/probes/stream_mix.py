@@ -17,6 +17,9 @@ token's normalised stream u_p = x_p / rho_p instead (what a post-LN norm gives),
 write point rescales the carried stream by (rho_s / r_s)^t before normalising the sum, so that with t = 1 (`per_token`)
 and g = 0 the stream is the source's exactly for every token (up to the norms' epsilon): the post-LN rewrite that
 divides each write by the token's own RMS. t = 0 divides by the median, as the calibrated target does.
+
+Into sandwich the stream and the input norms stay the source's, so the gates are at the branch norms B alone
+(`BranchMix`): g * B(F) + (1 - g) * F. `LayerGates` says which of the two a calibrated conversion takes.
 """
 
 from dataclasses import dataclass
