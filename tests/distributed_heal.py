@@ -8,8 +8,9 @@ from the heads a chunk at a time (recomputed in the backward pass) and the teach
 the student's kept for the backward pass); with --activation-checkpointing, the tied variant heals (its head a chunk
 at a time) with its layers recomputed in the backward pass. The calibrated variant (`fitted`) heals with every
 default (its layers fitted first), with --fsdp where more than one process runs, in the plain runs alone (no option,
-no tag), and then at a learning rate that diverges, which every process must end alike (rank 0 writes the
-error to the record's name with the suffix `.diverged`). `tests/test_sharding_gpu.py` runs it under `accelerate
+no tag), as does the sandwich variant by a gradual swap (`layers`); the tied variant then heals at a learning rate
+that diverges, which every process must end alike (rank 0 writes the error to the record's name with the suffix
+`.diverged`). `tests/test_sharding_gpu.py` runs it under `accelerate
 launch` on a GPU, also with --bf16 (bfloat16 mixed precision; the outputs' suffix `-bf16`)."""
 
 import argparse
@@ -101,6 +102,18 @@ if __name__ == "__main__":
             log=None,
         )
         results["fitted"] = list(teacher_record)
+        heal_checkpoint(
+            str(folder / "sandwich" / "variant"),
+            str(healed_folder(folder, "sandwich", per_device, suffix)),
+            data=str(folder / "text.txt"),
+            swap_schedule="layers",
+            max_steps=STEPS,
+            learning_rate=1e-3,
+            batch_size=per_device,
+            eval_size=8,
+            fsdp=int(os.environ.get("WORLD_SIZE", "1")) > 1,
+            log=None,
+        )
     for name, objective, forward in healings:
         healing = name + ("-forward" if forward else "")
         teacher_record.clear()

@@ -257,11 +257,13 @@ ZERO_GRADIENT = "k_proj.bias"
 
 def sharding_variants(folder: Path) -> Path:
     """Tiny LLaMAs with a tied and an untied head converted to post-LN (causal), the tied one calibrated too
-    (`fitted`: its healing fits the layers first), a BERT converted to pre-LN, and a text file to heal them on."""
+    (`fitted`: its healing fits the layers first) and calibrated into sandwich (`sandwich`: healed by a gradual
+    swap), a BERT converted to pre-LN, and a text file to heal them on."""
     sources = {
         "tied": ("llama", "ForCausalLM", {"tie_word_embeddings": True}),
         "untied": ("llama", "ForCausalLM", {"tie_word_embeddings": False}),
         "fitted": ("llama", "ForCausalLM", {"tie_word_embeddings": True}),
+        "sandwich": ("llama", "ForCausalLM", {"tie_word_embeddings": True}),
         "bert": ("bert", "Model", {}),
     }
     for name, (family, head, fields) in sources.items():
@@ -270,8 +272,8 @@ def sharding_variants(folder: Path) -> Path:
         convert_checkpoint(
             str(folder / name / "source"),
             str(folder / name / "variant"),
-            norm_placement="post" if family == "llama" else "pre",
-            calibrate=name == "fitted",
+            norm_placement={"llama": "post", "bert": "pre"}[family] if name != "sandwich" else "sandwich",
+            calibrate=name in ("fitted", "sandwich"),
             log=lambda line: None,
             **causal,
         )
@@ -280,7 +282,7 @@ def sharding_variants(folder: Path) -> Path:
 
 
 def healed_folder(variants: Path, healing: str, per_device: int, suffix: str = "") -> Path:
-    """Where tests/distributed_heal.py wrote `healing` ("tied", "tied-forward", "untied" or "bert") of `variants`,
+    """Where tests/distributed_heal.py wrote `healing` ("tied", "tied-forward", "untied", "bert", ...) of `variants`,
     healed with `per_device` texts a process (its options' `suffix` added)."""
     name, _, forward = healing.partition("-")
     return variants / name / f"healed-{per_device}{'-forward' if forward else ''}{suffix}"

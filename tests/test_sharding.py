@@ -102,6 +102,16 @@ def test_a_sharded_healing_fits_and_heals_as_one_process_with_every_default(heal
     assert errors[0][1] < errors[0][0] and errors[0][3] < errors[0][2]  # each layer fitted
 
 
+def test_a_sharded_gradual_swap_into_sandwich_heals_as_one_process(healed):
+    """The gates at sandwich's branch norms are hooks on the sharded layers' norms: 2 processes with --fsdp heal as
+    1 process without it."""
+    two, one = healed / "sandwich" / "healed-4", healed / "sandwich" / "healed-8"
+    assert_same_healing(two, one)
+    assert json.loads((two / "heal.json").read_text())["swap_schedule"] == "layers"
+    got, source = tensors(two), tensors(healed / "sandwich" / "variant")
+    assert max((got[k] - source[k]).abs().max().item() for k in got if "layers" in k) > 1e-3  # it trained
+
+
 def test_a_sharded_healing_that_diverges_ends_in_every_process_at_the_same_step(healed):
     """At a learning rate that overflows the weights, 2 processes raise the error 1 process raises, before the
     optimizer takes the step, and write nothing."""
