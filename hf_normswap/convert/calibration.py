@@ -26,7 +26,7 @@ from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
 from ..model.heads import HEAD_CLASSES
 from ..probes.probe_data import probe_batches, probe_tokenizer, sampled_batches
-from ..probes.stream_mix import LayerGates
+from ..probes.stream_mix import LayerGates, gated_at_branch_norms
 from .branch_calibration import calibrate_branches, calibrates_branches, removes_norms
 from .layer_stream import LayerStream
 from .lazy_layers import folder_loaders, lazy_of, load_layer
@@ -58,7 +58,7 @@ class CalibrationRecord:
         norms write, or into sandwich; else None."""
         if self.stream_rms:
             return LayerGates(self.stream_rms)
-        return LayerGates() if self.out_of_pre_ln and set(target.layer_norm_placements) == {"sandwich"} else None
+        return LayerGates() if self.out_of_pre_ln and gated_at_branch_norms(target) else None
 
 
 def calibrate_checkpoint(

@@ -73,14 +73,3 @@ def calibrated_out_of_pre_ln(variant: Path) -> bool:
     starts)."""
     calibration = _conversion_calibration(variant)
     return calibration is not None and bool(calibration.out_of_pre_ln or calibration.stream_rms)
-
-
-def recorded_layer_gates(variant: Path, config: NormSwapConfig, needed_by: str) -> LayerGates:
-    """`conversion_layer_gates`, which `needed_by` (an option, as the user set it) needs."""
-    gates = conversion_layer_gates(variant, config)
-    if gates is None:
-        raise HealError(
-            f"{needed_by} needs a calibrated conversion out of pre-LN into post, pre_post, deepnorm or sandwich; "
-            f"{variant}'s conversion.json records none"
-        )
-    return gates

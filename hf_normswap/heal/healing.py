@@ -46,7 +46,7 @@ from ..sharding import (
     with_sharding_section,
 )
 from .data import HealTexts, heal_texts
-from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_layer_gates, recorded_layer_gates
+from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_layer_gates
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
 from .models import HealModels, layer_parameters, load_models, memory_settings
 from .norm_removal import NormRemoval
@@ -88,9 +88,11 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     gates = conversion_layer_gates(Path(variant), models.student.config)
     if options.swap_schedule == "direct" and removes_norms(models.student.config):
         models.student.config.first_position_scales = None  # every norm at once, the first position's divisors too
-    if options.swap_schedule != "direct" and not removes_norms(models.student.config):
-        needed_by = f"swap_schedule={options.swap_schedule!r}"
-        gates = recorded_layer_gates(Path(variant), models.student.config, needed_by)
+    if options.swap_schedule != "direct" and not removes_norms(models.student.config) and gates is None:
+        raise HealError(
+            f"swap_schedule={options.swap_schedule!r} needs a calibrated conversion out of pre-LN into post, "
+            f"pre_post, deepnorm or sandwich; {variant}'s conversion.json records none"
+        )
     out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
     options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
     if options.checkpoint_dir and not resumable(options.sharding):

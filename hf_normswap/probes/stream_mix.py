@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..model.configuration_normswap import NORM_PLACEMENTS
 from .next_token import agreement_with, next_token_log_probs
 
 
@@ -36,18 +37,32 @@ def normalised(states: torch.Tensor, centred: bool, eps: float | torch.Tensor) -
     return states * torch.rsqrt(states.float().pow(2).mean(-1, keepdim=True) + eps).to(states.dtype)
 
 
-class StreamMix:
+class _Gates:
+    """A converted model's `gates`, two a layer (before attention, before the MLP), all open (the target) until set,
+    and the hooks that read them."""
+
+    def __init__(self, model: nn.Module):
+        self.base = getattr(model, "get_base_model", lambda: model)().base_model  # through a PEFT wrapper
+        self.layers = len(self.base.layers)
+        self.gates, self.hooks = torch.ones(2 * self.layers), []
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+class StreamMix(_Gates):
     """Hooks on a converted model's norms and sublayers that mix source and target at each of its 2 * layers stream
-    points (two a layer: before attention, before the MLP) by `gates`, all open (the target) until set; with
-    `per_token_stream`, the source's side carries each token's own stream RMS, rescaled by `per_token` (t, all 1)."""
+    points by `gates`; with `per_token_stream`, the source's side carries each token's own stream RMS, rescaled by
+    `per_token` (t, all 1)."""
 
     def __init__(self, model: nn.Module, stream_rms: list[float], per_token_stream: bool = False):
-        base = getattr(model, "get_base_model", lambda: model)().base_model  # through a PEFT wrapper
-        self.layers = len(base.layers)
+        super().__init__(model)
+        base = self.base
         if len(stream_rms) != 2 * self.layers + 1:
             raise ValueError("the recorded stream RMS does not fit the model's layers")
-        self.gates, self.per_token = torch.ones(2 * self.layers), torch.ones(2 * self.layers)
-        self.stream_rms, self.per_token_stream, self.hooks = stream_rms, per_token_stream, []
+        self.per_token = torch.ones(2 * self.layers)
+        self.stream_rms, self.per_token_stream = stream_rms, per_token_stream
         self.centred, self.eps = base.config.norm_type == "layernorm", base.config.norm_eps
         self._stream = self._rms = None  # per-token stream: the last write point's stream, and x's RMS it carries
         sublayers = [
@@ -120,25 +135,19 @@ class StreamMix:
 
         return hook
 
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
 
-
-class BranchMix:
+class BranchMix(_Gates):
     """Hooks on a conversion out of pre-LN into sandwich that mix each branch norm B with its input by `gates`, one a
     sublayer: g * B(F) + (1 - g) * F. The input norms and the stream are the source's, so with every gate shut the
     student computes its source exactly, and with every gate open its own function."""
 
     def __init__(self, model: nn.Module):
-        base = getattr(model, "get_base_model", lambda: model)().base_model  # through a PEFT wrapper
-        self.layers = len(base.layers)
-        self.gates = torch.ones(2 * self.layers)
-        sublayers = [norms for layer in base.layers for norms in (layer.attention_norms, layer.mlp_norms)]
-        if not all(_branch_only(norms) for norms in sublayers):
+        super().__init__(model)
+        if not gated_at_branch_norms(self.base.config):
             raise ValueError(
                 "the branch mix needs an input and a branch norm at every sublayer, and none on the stream"
             )
+        sublayers = [norms for layer in self.base.layers for norms in (layer.attention_norms, layer.mlp_norms)]
         self.hooks = [
             norms.output_norm.register_forward_hook(self._mix(point)) for point, norms in enumerate(sublayers)
         ]
@@ -150,16 +159,14 @@ class BranchMix:
 
         return hook
 
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
 
-
-def _branch_only(norms: nn.Module) -> bool:
-    kept = [
-        not isinstance(getattr(norms, slot), nn.Identity) for slot in ("input_norm", "output_norm", "residual_norm")
-    ]
-    return kept == [True, True, False] and norms.residual_scale == 1.0 and norms.residual_weight is None
+def gated_at_branch_norms(config) -> bool:
+    """Whether every sublayer of `config` has an input and a branch norm and none on the stream (sandwich): what
+    `BranchMix` gates."""
+    slots = {"input_norm", "output_norm"}
+    return config.first_attention_input_norm and all(
+        NORM_PLACEMENTS[placement] == slots for placement in config.layer_norm_placements
+    )
 
 
 @dataclass(frozen=True)
