@@ -66,9 +66,11 @@ def test_none_placement_has_no_norm_and_a_fixed_final_scale():
 
 @pytest.mark.parametrize("family", HEADS)
 def test_norm_free_conversion_records_what_it_removed(norm_free, family):
+    """The final norm folds into LLaMA's untied head; before GPT-2's tied one it stays a fixed scale."""
     folder = norm_free / f"{family}-none"
     config = json.loads((folder / "config.json").read_text())
-    assert (config["norm_placement"], config["final_norm"], config["final_scale"]) == ("none", False, True)
+    tied = family == "gpt2"
+    assert (config["norm_placement"], config["final_norm"], config["final_scale"]) == ("none", False, tied)
     removed = config["removed_norm_rms"]
     assert len(removed) == 5 and all(value > 0 for value in removed)
     record = ConversionRecord.read(folder)
@@ -77,7 +79,11 @@ def test_norm_free_conversion_records_what_it_removed(norm_free, family):
     source = load_unswapped(str(norm_free / family), head="causal-lm")
     model = HEAD_CLASSES["causal-lm"].from_pretrained(folder)
     gain = source.model.norm.weight / removed[-1]
-    torch.testing.assert_close(model.model.norm.weight, gain, rtol=1e-6, atol=0)
+    if tied:
+        torch.testing.assert_close(model.model.norm.weight, gain, rtol=1e-6, atol=0)
+    else:
+        assert not any("norm" in name for name in model.state_dict())
+        torch.testing.assert_close(model.lm_head.weight, source.lm_head.weight * gain, rtol=1e-6, atol=1e-7)
     assert not any(".input_norm." in name for name in model.state_dict())
 
 
@@ -179,6 +185,24 @@ def test_norm_free_refused_from_a_source_whose_norms_write_the_stream(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("source", "options", "refused"),
+    [
+        ("llama", {"norm_type": "layernorm"}, r"^norm_placement: none .*: needs the source's norm_type 'rmsnorm'"),
+        ("bias-free", {}, r"^norm_placement: none cannot .*: needs linear biases to take the source's LayerNorm bias"),
+    ],
+)
+def test_norm_free_refused_where_the_norms_cannot_fold(norm_free, tmp_path, source, options, refused):
+    folder = norm_free / source
+    if source == "bias-free":  # pre-LN with LayerNorm biases, and no linear layer with a bias to take them
+        fields = dict(norm_type="layernorm", norm_bias=True, attention_bias=False, mlp_bias=False)
+        config = tiny_config(is_causal=True, norm_placement="pre", architectures=["NormSwapForCausalLM"], **fields)
+        NormSwapForCausalLM(config).save_pretrained(folder := tmp_path / source)
+    with pytest.raises(ConversionError, match=refused):
+        convert_checkpoint(str(folder), str(tmp_path / "out"), norm_placement="none", **options, **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("family", HEADS)
 def test_transformer_lens_reads_the_exported_norm_free_stream(norm_free, tmp_path, family):
     from transformer_lens.model_bridge import TransformerBridge
@@ -254,7 +278,7 @@ def test_heal_removes_the_norms_in_stages(norm_free, tmp_path):
     before, after = report["next_token"]["before"]["kl"], report["next_token"]["after"]["kl"]
     assert after < before
     healed = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "healed")
-    assert set(healed.config.layer_norm_placements) == {"none"} and healed.config.final_scale
+    assert set(healed.config.layer_norm_placements) == {"none"} and healed.config.final_scale  # GPT-2's tied head
     assert healed.config.first_position_scales is None  # removed last
 
 

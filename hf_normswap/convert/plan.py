@@ -9,6 +9,7 @@ from ..checkpoint import resolve_source, weight_files
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES
 from ..model.modeling_normswap import AUTO_MAP
+from .branch_calibration import branch_calibration_blockers, folds_final_norm
 from .exact_swaps import plan_exact_swap
 from .families import NORMSWAP, Family, family_of, normswap_config
 from .norm_mapping import map_norms
@@ -52,7 +53,9 @@ def plan_conversion(*, source: str, options: ConvertOptions) -> ConversionPlan:
     swaps = _swaps(plain, options, attention)
     target = normswap_config(source_config, **swaps)
     _check_depth_scaling(plain, target)
-    _check_norm_free(plain, target)
+    _check_norm_free(plain, target, options.calibrate)
+    if options.calibrate and folds_final_norm(target, head):
+        target.final_scale = False
     norm_sources = map_norms(source=plain, target=target, mapping=options.norm_mapping)
     exact_swap, exact_fields = plan_exact_swap(plain=plain, target=target, head=head, norm_sources=norm_sources)
     if exact_fields:
@@ -87,13 +90,19 @@ def _check_depth_scaling(plain: NormSwapConfig, target: NormSwapConfig) -> None:
             )
 
 
-def _check_norm_free(plain: NormSwapConfig, target: NormSwapConfig) -> None:
-    """Norm-free layers are reached from pre-LN, whose norms only read the stream: each folds into its readers."""
-    if "none" in target.layer_norm_placements and not pre_ln_source(plain):
+def _check_norm_free(plain: NormSwapConfig, target: NormSwapConfig, calibrate: bool) -> None:
+    """Norm-free layers are reached from pre-LN, whose norms only read the stream: calibrated, each folds into its
+    readers over the source's stream RMS there."""
+    if "none" not in target.layer_norm_placements:
+        return
+    if not pre_ln_source(plain):
         raise ConversionError(
             f"norm_placement: none needs a pre-LN source, whose norms only read the residual stream; this one's is "
             f"{plain.norm_placement!r}" + (" with an embedding norm" if plain.embedding_norm else "")
         )
+    blockers = branch_calibration_blockers(plain, target) if calibrate else []  # else: the norms dropped, as mapped
+    if blockers:
+        raise ConversionError(f"norm_placement: none cannot fold the source's norms into their readers: {blockers[0]}")
 
 
 def _read_config(folder: Path, expected_family: str | None) -> tuple[PreTrainedConfig, Family]:

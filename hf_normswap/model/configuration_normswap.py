@@ -186,9 +186,10 @@ class NormSwapConfig(PreTrainedConfig):
         final norm when the last layer leaves it un-normalized (pre, sandwich, output, lns); none with `"none"`.
     final_scale (`bool`, *optional*):
         A fixed per-feature scale (LayerNorm models: centring and shift too), no norm, in place of the final norm.
-        Default: when the last layer's placement is `"none"`. `removed_norm_rms` records (read by nothing) what the
-        norms a norm-free conversion removed divided by: the source's median stream RMS at each, in forward order;
-        `first_position_scales` multiply each sequence's first position there (its own divisor: r / r at position 0).
+        Default: when the last layer's placement is `"none"`. `removed_norm_rms` records what the norms a norm-free
+        conversion removed divided by (a gradual removal reads it): the source's median stream RMS at each, in forward
+        order; `first_position_scales` multiply each sequence's first position there (its own divisor: r / r at
+        position 0).
     first_attention_input_norm (`bool`, defaults to `True`):
         Whether the first layer's attention has its input norm (ModernBERT's has not: its embedding norm's output).
     embedding_size (`int`, *optional*):
