@@ -785,6 +785,8 @@ def test_card_reports_next_token_figures(healed_text):
     effect, after = record["swap_effect"], record["heal"]["next_token"]["after"]
     assert f"top-1 agreement {effect['top1_agreement']:.3f}" in card.text
     assert f"after healing, KL {after['kl']:.3f} nats per token" in card.text
+    gap = after["cross_entropy_gap"]
+    assert f", cross-entropy {gap:+.3f} nats per token from the source's (`heal.json`" in card.text
     tokens, rows = record["heal"]["tokens"], record["heal"]["data"]["train_rows"]
     assert f"30 steps, {tokens:,} tokens of sst2-sample ({rows:,} rows)" in card.text
 

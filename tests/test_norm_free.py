@@ -176,10 +176,12 @@ def test_norm_free_card_says_what_was_removed_and_how_to_load_it_natively(norm_f
     assert "`hf-normswap export-native` writes it as its family's own class" in str(card)
 
 
-@pytest.mark.parametrize(("family", "head"), [("bert", "ForMaskedLM"), ("gemma2", "ForCausalLM")])
+@pytest.mark.parametrize(
+    ("family", "head"), [("bert", "ForMaskedLM"), ("gemma2", "ForCausalLM"), ("olmo2", "ForCausalLM")]
+)
 def test_norm_free_refused_from_a_source_whose_norms_write_the_stream(tmp_path, family, head):
     save_source(tmp_path / "source", family, head)
-    refused = r"^norm_placement: none needs a pre-LN source, .* this one's is '(post|sandwich)'"
+    refused = r"^norm_placement: none needs a pre-LN source, .* this one's is '(post|sandwich|output)'"
     with pytest.raises(ConversionError, match=refused):
         convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), norm_placement="none", **QUIET)
     assert not (tmp_path / "out").exists()

@@ -215,6 +215,8 @@ def _healing_line(heal: HealLineage | None) -> str | None:
             f"; after healing, KL {after['kl']:.3f} nats per token, top-1 agreement {after['top1_agreement']:.3f}, "
             f"greedy agreement {after['greedy_agreement']:.3f}"
         )
+        if after.get("cross_entropy_gap") is not None:
+            line += f", cross-entropy {after['cross_entropy_gap']:+.3f} nats per token from the source's"
     return line + " (`heal.json`, `heal.png`)."
 
 
