@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.calibration import _finite_on
-from hf_normswap.convert.constant_norms import CONSTANT_NORM_EPS
+from hf_normswap.convert.constant_norms import CONSTANT_NORM_EPS, with_constant_norms
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.export import export_native
 from hf_normswap.convert.options import ConversionError
@@ -124,6 +124,19 @@ def test_norm_free_export_refuses_first_positions_float16_and_query_key_norms(no
     with pytest.raises(ConversionError, match=r"^qk_norm=True: the native classes have one norm epsilon"):
         export_native(str(tmp_path / "qwen3-none"), str(tmp_path / "out"), **QUIET)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        ({"norm_type": "dyt"}, r"^norm_type='dyt': a tanh cannot divide by a constant; export needs layernorm or rms"),
+        ({"embedding_norm": True}, r"^embedding_norm=True: the native classes have one norm epsilon, and the embed"),
+    ],
+)
+def test_norm_free_export_refuses_norms_the_native_classes_cannot_hold(fields, refused):
+    model = NormSwapForCausalLM(tiny_config(norm_placement="none", is_causal=True, **fields))
+    with pytest.raises(ConversionError, match=refused):
+        with_constant_norms(model)
 
 
 def test_norm_free_export_refuses_a_model_with_norms_in_some_layers(norm_free, tmp_path):
