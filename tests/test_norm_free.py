@@ -178,6 +178,16 @@ def test_fold_norm_weights_refuses_norms_that_cannot_fold(tmp_path, options, ref
     assert not (tmp_path / "out").exists()
 
 
+def test_fold_norm_weights_refuses_a_layernorm_bias_no_reader_takes(tmp_path):
+    fields = dict(norm_type="layernorm", norm_bias=True, attention_bias=False, mlp_bias=False)
+    config = tiny_config(is_causal=True, norm_placement="pre", architectures=["NormSwapForCausalLM"], **fields)
+    NormSwapForCausalLM(config).save_pretrained(tmp_path / "source")
+    refused = r"^fold_norm_weights: model.layers.0.attention_norms.input_norm cannot fold, its bias has no bias of"
+    with pytest.raises(ConversionError, match=refused):
+        convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), fold_norm_weights=True, **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
 def test_norm_free_card_says_what_was_removed_and_how_to_load_it_natively(norm_free):
     card, _ = build_card(norm_free / "llama-none", "me/llama-none", base_model="me/llama", license="mit")
     removed = json.loads((norm_free / "llama-none" / "config.json").read_text())["removed_norm_rms"]
