@@ -81,6 +81,7 @@ if __name__ == "__main__":
     parser.add_argument("--tag", default="", help="appended to the outputs' names")
     arguments = parser.parse_args()
     folder, record, per_device = arguments.folder, arguments.record, arguments.per_device
+    batch = per_device * int(os.environ.get("WORLD_SIZE", "1"))  # a step's texts, shared by the processes
     checkpointing = arguments.activation_checkpointing
     suffix = ("-checkpointed" if checkpointing else "") + ("-bf16" if arguments.bf16 else "") + arguments.tag
     # (name, objective, the teacher's logits from its forward)
@@ -95,7 +96,7 @@ if __name__ == "__main__":
             str(healed_folder(folder, "fitted", per_device, suffix)),
             data=str(folder / "text.txt"),
             max_steps=STEPS,
-            batch_size=per_device,
+            batch_size=batch,
             reconstruct_sequences=16,
             eval_size=8,
             fsdp=int(os.environ.get("WORLD_SIZE", "1")) > 1,
@@ -109,7 +110,7 @@ if __name__ == "__main__":
             swap_schedule="layers",
             max_steps=STEPS,
             learning_rate=1e-3,
-            batch_size=per_device,
+            batch_size=batch,
             eval_size=8,
             fsdp=int(os.environ.get("WORLD_SIZE", "1")) > 1,
             log=None,
@@ -125,7 +126,7 @@ if __name__ == "__main__":
             objective=objective,
             max_steps=STEPS,
             learning_rate=1e-3,
-            batch_size=per_device,
+            batch_size=batch,
             eval_size=8,
             fsdp=True,
             activation_checkpointing=checkpointing,
@@ -142,7 +143,7 @@ if __name__ == "__main__":
                 data=str(folder / "text.txt"),
                 max_steps=STEPS,
                 learning_rate=1e30,
-                batch_size=per_device,
+                batch_size=batch,
                 eval_size=8,
                 fsdp=True,
                 log=None,

@@ -332,11 +332,11 @@ def comparison_arguments(folder: Path) -> list[str]:
     return [*arguments, "--relative-learning-rates"]
 
 
-def comparison_batch_arguments(per_process: int) -> list[str]:
-    """`compare`'s batch size per process, for fine-tuning and for 2 steps of healing on `hidden` (no batch-level
-    terms: see docs/healing.md)."""
-    heal = {"max_steps": 2, "eval_size": 8, "objective": "hidden", "batch_size": per_process}
-    return [f"--batch-size={per_process}", "--heal", json.dumps(heal)]
+def comparison_batch_arguments(batch: int) -> list[str]:
+    """`compare`'s batch size (shared by the processes), for fine-tuning and for 2 steps of healing on `hidden` (no
+    batch-level terms: see docs/healing.md)."""
+    heal = {"max_steps": 2, "eval_size": 8, "objective": "hidden", "batch_size": batch}
+    return [f"--batch-size={batch}", "--heal", json.dumps(heal)]
 
 
 def assert_same_comparison(output: Path, reference: Path) -> None:

@@ -338,7 +338,7 @@ def test_data_parallel_run_writes_one_report(tmp_path, bert_source):
         "variants": "post,pre",
         "seeds": 1,
         "epochs": 1,
-        "batch-size": 4,
+        "batch-size": 8,
         "logging-steps": 2,
         "output": tmp_path / "out",
     }
@@ -349,7 +349,7 @@ def test_data_parallel_run_writes_one_report(tmp_path, bert_source):
     assert set(saved["summary"]) == {"post", "pre"} and len(saved["runs"]) == 2
     for run in saved["runs"]:
         steps = [entry["step"] for entry in run["log_history"] if "loss" in entry]
-        assert steps and max(steps) == 4  # 32 examples / (2 processes x batch 4)
+        assert steps and max(steps) == 4  # 32 examples / a batch of 8 (4 on each of the 2 processes)
 
 
 def test_main_job_defaults_to_the_embedded_experiment(tmp_path):

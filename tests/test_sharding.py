@@ -196,6 +196,18 @@ def test_the_command_line_ends_the_launchs_process_group(variants, tmp_path):
         assert records == [{"code": code, "group_freed": True}] * 2
 
 
+def test_a_batch_the_processes_cannot_share_equally_is_refused_in_one_line(variants, tmp_path):
+    """--batch-size is a step's texts, shared equally by the processes: 3 on 2 processes is refused, on each."""
+    healing = ["heal", variants / "tied" / "variant", tmp_path / "healed", "--fsdp", "--data", variants / "text.txt"]
+    (tmp_path / "ranks").mkdir()
+    arguments = [*healing, "--max-steps", "1", "--batch-size", "3", tmp_path / "ranks"]
+    run = torchrun(TESTS / "distributed_cli.py", *arguments, processes=2, cwd=tmp_path)
+    assert rank_records(tmp_path / "ranks", 2) == [{"code": 1, "group_freed": True}] * 2
+    error = "hf-normswap heal: error: batch_size=3: each of the 2 processes takes an equal share: a multiple of 2\n"
+    assert run.stderr.count(error) == 2
+    assert not (tmp_path / "healed").exists()
+
+
 @pytest.mark.parametrize("placement", ["post", "pre"])
 def test_diagnostics_leave_no_gradient_under_accelerates_units(tmp_path, placement):
     """Sharded as accelerate's FSDP2 does on GPUs, with a tail unit that stays gathered after its forward (post: the
@@ -283,11 +295,11 @@ def test_fsdp_in_one_process_heals_unsharded(variants, tmp_path):
 
 
 def test_sharded_comparison_equals_one_process(tmp_path):
-    """`compare --fsdp` under 2 processes with 4 examples each trains and evaluates as 1 process with 8: sharded here,
-    and sharded by the Trainer through accelerate's FSDP2 plugin as on GPUs (its units, clipping and saving). Each
-    run prints its report once and ends with its process group freed on every process."""
+    """`compare --fsdp --batch-size 8` under 2 processes (4 examples each) trains and evaluates as 1 process: sharded
+    here, and sharded by the Trainer through accelerate's FSDP2 plugin as on GPUs (its units, clipping and saving).
+    Each run prints its report once and ends with its process group freed on every process."""
     compare = [TESTS / "distributed_cli.py", "compare", *comparison_arguments(tmp_path)]
-    two = [*comparison_batch_arguments(4), "--fsdp"]
+    two = [*comparison_batch_arguments(8), "--fsdp"]
     runs = {  # output: (launch, arguments, processes, environment)
         "two": ([], two, 2, None),
         "accelerate": ([ACCELERATE_ON_CPU], two, 2, FSDP2),

@@ -123,7 +123,7 @@ def test_a_comparison_under_accelerate_fsdp2_equals_one_unsharded_process(tmp_pa
     """`compare --fsdp` under each shipped FSDP2 configuration trains, heals and evaluates as one unsharded process."""
     arguments = ["-m", "hf_normswap.cli", "compare", *comparison_arguments(tmp_path)]
     launcher, processes = accelerate_fsdp2("no", config)
-    sharded = [*comparison_batch_arguments(8 // processes), "--fsdp", "--output=fsdp"]
+    sharded = [*comparison_batch_arguments(8), "--fsdp", "--output=fsdp"]
     assert launch(launcher, *arguments, *sharded, cwd=tmp_path).count("report:") == 1
     launch(UNSHARDED, *arguments, *comparison_batch_arguments(8), "--output=plain", cwd=tmp_path)
     assert_same_comparison(tmp_path / "fsdp", tmp_path / "plain")

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import CheckpointError, read_tensors, weight_files
 from ..convert.gguf import is_gguf, shipped_model, write_gguf_checkpoint
-from ..sharding import flat_settings, processes, world_size
+from ..sharding import flat_settings, process_share, processes, world_size
 from ..tasks import Task, load_task
 from .experiment import Experiment, Variant
 from .precision import first_stage_seeds, stage_one
@@ -63,6 +63,7 @@ def run_comparison(experiment: Experiment) -> dict | None:
     development split, and then runs every seed at the point that scored best there (validation is never used).
     """
     variants = experiment.validate()
+    process_share(experiment.batch_size)
     state = processes()
     model = source_model(experiment.model)
     from_config = model.endswith(".json")

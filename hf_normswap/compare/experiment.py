@@ -127,7 +127,7 @@ class Experiment:
         _AT_LEAST_1,
     )
     search_seeds: int = _option(1, "runs per grid point on the development split", _AT_LEAST_1)
-    batch_size: int = _option(32, "examples per device and step", _AT_LEAST_1)
+    batch_size: int = _option(32, "examples a step, shared equally by the processes of a launch", _AT_LEAST_1)
     max_length: int = _option(128, "tokens per example at most", at_least(1, "at least 1 token"))
     epochs: float = _option(3.0, "training epochs", _POSITIVE)
     weight_decay: float = _option(

@@ -248,7 +248,11 @@ class HealOptions:
         },
     )
     batch_size: int | None = field(
-        default=None, metadata={"rules": (positive(),), "help": f"texts per step; {_by_head('batch_size')}"}
+        default=None,
+        metadata={
+            "rules": (positive(),),
+            "help": f"texts a step, shared equally by the processes of a launch; {_by_head('batch_size')}",
+        },
     )
     max_length: int = field(default=128, metadata={"rules": (positive(),), "help": "tokens per text at most"})
     eval_size: int = field(

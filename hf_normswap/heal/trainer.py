@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..model.packing import pack_padded, unpack
 from ..probes.next_token import agreement, next_token_log_probs
-from ..sharding import RecordShardedOutputs, agreed_max, gathered, token_share, trainer_arguments
+from ..sharding import RecordShardedOutputs, agreed_max, gathered, process_share, token_share, trainer_arguments
 from .data import TEACHER_STATES
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure, measure_states, student_states
@@ -99,7 +99,7 @@ def training_arguments(
         output_dir=str(output_dir),
         max_steps=options.max_steps,
         learning_rate=options.learning_rate,
-        per_device_train_batch_size=options.batch_size,
+        per_device_train_batch_size=process_share(options.batch_size),
         warmup_steps=0.1,
         lr_scheduler_type="linear",
         logging_steps=max(1, options.max_steps // 20),

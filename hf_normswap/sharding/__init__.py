@@ -8,7 +8,7 @@ from .fsdp import loads_weights, prepare_frozen, prepare_trained, resumable, sha
 from .gathering import gathered, unsharded
 from .memory_plan import MemoryPlan, describe_plan, plan_memory
 from .options import ShardingError, ShardingOptions, flat_settings, sharding_section, with_sharding_section
-from .processes import end_processes, is_main_process, processes, world_size
+from .processes import end_processes, is_main_process, process_share, processes, world_size
 from .trainer_bridge import RecordShardedOutputs, trainer_arguments
 
 
@@ -28,6 +28,7 @@ __all__ = [
     "plan_memory",
     "prepare_frozen",
     "prepare_trained",
+    "process_share",
     "processes",
     "resumable",
     "sharded",

@@ -32,5 +32,14 @@ def world_size() -> int:
     return processes().num_processes
 
 
+def process_share(texts: int, error: type[ValueError] = ValueError) -> int:
+    """Each process's share of a step's `texts` (`batch_size`), so that a launch of any size takes the texts a step
+    that one process takes; `error` in one line where the processes cannot share them equally."""
+    count = world_size()
+    if texts % count:
+        raise error(f"batch_size={texts}: each of the {count} processes takes an equal share: a multiple of {count}")
+    return texts // count
+
+
 def is_main_process() -> bool:
     return processes().is_main_process
