@@ -75,8 +75,8 @@ def branch_calibration_blockers(plain: NormSwapConfig, target: NormSwapConfig) -
 
 
 def folds_final_norm(target: NormSwapConfig, head: str) -> bool:
-    """Whether a norm-free `target`'s final norm folds into its head, an untied language-model head that can take
-    its bias, rather than staying a fixed scale."""
+    """Whether a norm-free `target`'s final norm folds into its head (an untied language-model head; not a LayerNorm
+    bias, which that bias-free head cannot take) rather than staying a fixed scale."""
     return (
         removes_norms(target)
         and head == "causal-lm"
