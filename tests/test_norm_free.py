@@ -66,11 +66,10 @@ def test_none_placement_has_no_norm_and_a_fixed_final_scale():
 
 @pytest.mark.parametrize("family", HEADS)
 def test_norm_free_conversion_records_what_it_removed(norm_free, family):
-    """The final norm folds into LLaMA's untied head; before GPT-2's tied one it stays a fixed scale."""
+    """The final norm becomes a fixed scale before LLaMA's untied head and GPT-2's tied one alike."""
     folder = norm_free / f"{family}-none"
     config = json.loads((folder / "config.json").read_text())
-    tied = family == "gpt2"
-    assert (config["norm_placement"], config["final_norm"], config["final_scale"]) == ("none", False, tied)
+    assert (config["norm_placement"], config["final_norm"], config["final_scale"]) == ("none", False, True)
     removed = config["removed_norm_rms"]
     assert len(removed) == 5 and all(value > 0 for value in removed)
     record = ConversionRecord.read(folder)
@@ -79,11 +78,7 @@ def test_norm_free_conversion_records_what_it_removed(norm_free, family):
     source = load_unswapped(str(norm_free / family), head="causal-lm")
     model = HEAD_CLASSES["causal-lm"].from_pretrained(folder)
     gain = source.model.norm.weight / removed[-1]
-    if tied:
-        torch.testing.assert_close(model.model.norm.weight, gain, rtol=1e-6, atol=0)
-    else:
-        assert not any("norm" in name for name in model.state_dict())
-        torch.testing.assert_close(model.lm_head.weight, source.lm_head.weight * gain, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(model.model.norm.weight, gain, rtol=1e-6, atol=0)
     assert not any(".input_norm." in name for name in model.state_dict())
 
 
@@ -303,7 +298,7 @@ def test_heal_removes_the_norms_in_stages(norm_free, tmp_path):
     before, after = report["next_token"]["before"]["kl"], report["next_token"]["after"]["kl"]
     assert after < before
     healed = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "healed")
-    assert set(healed.config.layer_norm_placements) == {"none"} and healed.config.final_scale  # GPT-2's tied head
+    assert set(healed.config.layer_norm_placements) == {"none"} and healed.config.final_scale
     assert healed.config.first_position_scales is None  # removed last
 
 

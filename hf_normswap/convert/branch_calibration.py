@@ -11,11 +11,11 @@ The output placement has no input norm: its sublayers read the stream itself. Th
 folded into the linear layers reading it, divided by the source's median stream RMS r_s there (LayerNorm's centring
 too, as the readers' weights less their means over the inputs): exact for the tokens whose stream RMS is r_s.
 
-Norm-free (`none`) folds every input norm so, and the final norm into an untied language-model head too; before any
-other head, or a tied one, it becomes a fixed per-feature scale: its gain over the source's median RMS before it (and
-its bias). Each text's first position (an attention sink, its stream many times the median) keeps its own divisors:
-the source's median there at position 0, as factors r_s / r0_s on the first position's input at each point
-(`first_position_scales`).
+Norm-free (`none`) folds every input norm so, and the final norm becomes a fixed per-feature scale: its gain over the
+source's median RMS before it (and its bias), the head left as it is, tied or not, so that the student's final output
+stays comparable with the source's (healing compares them). Each text's first position (an attention sink, its
+stream many times the median) keeps its own divisors: the source's median there at position 0, as factors r_s / r0_s
+on the first position's input at each point (`first_position_scales`).
 """
 
 from dataclasses import dataclass
@@ -62,27 +62,17 @@ def branch_calibration_blockers(plain: NormSwapConfig, target: NormSwapConfig) -
             "residual_norm" not in NORM_PLACEMENTS[placement] for placement in placements
         ),
         "no LayerNorm Scaling ('lns') in the same model": "lns" not in placements,
-        f"the source's norm_type {plain.norm_type!r} kept (not dyt)": plain.norm_type == target.norm_type != "dyt",
-        "a final norm, a fixed final scale or none of either": bool(
-            target.final_norm or target.final_scale or removes_norms(target)
+        f"the source's norm_type {plain.norm_type!r} kept (asked: {target.norm_type!r})": (
+            plain.norm_type == target.norm_type
         ),
+        "norms that divide, not dyt": plain.norm_type != "dyt",
+        "a final norm or a fixed final scale": bool(target.final_norm or target.final_scale),
         "no embedding norm": not target.embedding_norm,
         "linear biases to take the source's LayerNorm biases (attention_bias and mlp_bias)": not (
             reads_bare and norm_bias and not (plain.attention_bias and plain.mlp_bias)
         ),
     }
     return [f"needs {needed}" for needed, met in blockers.items() if not met]
-
-
-def folds_final_norm(target: NormSwapConfig, head: str) -> bool:
-    """Whether a norm-free `target`'s final norm folds into its head (an untied language-model head; not a LayerNorm
-    bias, which that bias-free head cannot take) rather than staying a fixed scale."""
-    return (
-        removes_norms(target)
-        and head == "causal-lm"
-        and not target.tie_word_embeddings
-        and not (target.norm_type == "layernorm" and target.norm_bias)
-    )
 
 
 def _fold_scaled(norm: nn.Module, readers: list[nn.Linear], rms: float) -> None:
@@ -189,12 +179,9 @@ def calibrate_branches(model: nn.Module, source: nn.Module, batches: list[dict])
     finally:
         written.close()
         reference.close()
-    if model.config.final_norm or model.config.final_scale:
-        set_norm(base.norm, source.base_model.norm)
+    set_norm(base.norm, source.base_model.norm)
     if model.config.final_scale:
         base.norm.weight.div_(rms[-1])
-    elif removes_norms(model.config):  # `folds_final_norm`
-        _fold_scaled(source.base_model.norm, [model.get_output_embeddings()], rms[-1])
     if removes_norms(model.config):
         first = stream_rms(source, batches, first_only=True)
         model.config.first_position_scales = [median / at_first for median, at_first in zip(rms, first)]

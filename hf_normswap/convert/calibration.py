@@ -155,8 +155,7 @@ def _calibrate_model(
         if removes_norms(target):
             target.removed_norm_rms = model.config.removed_norm_rms = calibration.stream_rms
             target.first_position_scales = model.config.first_position_scales
-            final = "a fixed scale" if target.final_scale else "the head"
-            into = f"folded the pre-LN norms into the layers reading the stream, the final norm into {final}"
+            into = "folded the pre-LN norms into the layers reading the stream, the final norm into a fixed scale"
             if not _finite_on(model, batches[0]):
                 into += (
                     "; WARNING: its outputs overflow on the calibration texts (fixed divisors let the streams the "

@@ -9,7 +9,7 @@ from ..checkpoint import resolve_source, weight_files
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES
 from ..model.modeling_normswap import AUTO_MAP
-from .branch_calibration import branch_calibration_blockers, folds_final_norm
+from .branch_calibration import branch_calibration_blockers
 from .exact_swaps import plan_exact_swap
 from .families import NORMSWAP, Family, family_of, normswap_config
 from .norm_mapping import map_norms
@@ -54,8 +54,6 @@ def plan_conversion(*, source: str, options: ConvertOptions) -> ConversionPlan:
     target = normswap_config(source_config, **swaps)
     _check_depth_scaling(plain, target)
     _check_norm_free(plain, target, options.calibrate)
-    if options.calibrate and folds_final_norm(target, head):
-        target.final_scale = False
     norm_sources = map_norms(source=plain, target=target, mapping=options.norm_mapping)
     exact_swap, exact_fields = plan_exact_swap(plain=plain, target=target, head=head, norm_sources=norm_sources)
     if exact_fields:

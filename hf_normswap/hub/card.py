@@ -229,11 +229,10 @@ def _norm_free_line(config) -> str | None:
         f", each dividing by the source's median stream RMS there ({min(rms):.3g} to {max(rms):.3g})" if rms else ""
     )
     kept = " Its query/key norms stay." if config.qk_norm else ""
-    final = "; a fixed per-feature scale stands where the final norm was" if config.final_scale else ""
     return (
         f"**Norm-free.** No norm reads or writes the residual stream: the input norms of its "
         f"{2 * config.num_hidden_layers} sublayers and the final norm were removed{divided}, folded into the weights "
-        f"reading them{final}.{kept} `hf-normswap export-native` "
+        f"reading them; a fixed per-feature scale stands where the final norm was.{kept} `hf-normswap export-native` "
         "writes it as its family's own class (norms of epsilon 2^40 that divide by a constant), which loads without "
         "remote code."
     )
