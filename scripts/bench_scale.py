@@ -266,7 +266,7 @@ def healing(args, work: Path) -> None:
     steps = "4" if args.quick else str(args.max_steps)
     settings = ["--max-steps", steps, "--max-length", "64", "--eval-size", "8", "--data", "sst2-sample"]
     settings += ["--teacher", str(teacher)]
-    # both under torchrun, so that they take the same texts in the same order: 4 a step, 2 per sharded process
+    # both under torchrun, so that they take the same texts in the same order: 4 a step (2 per sharded process)
     command = ["heal", str(variant), str(work / "single-out"), *settings, "--batch-size", "4"]
     single = run_worker(work / "single", command, torchrun=True)[0]
     print(
@@ -285,7 +285,7 @@ def healing(args, work: Path) -> None:
         return
     sharded = run_worker(
         work / "sharded",
-        ["heal", str(variant), str(work / "sharded-out"), *settings, "--batch-size", "2", "--fsdp"],
+        ["heal", str(variant), str(work / "sharded-out"), *settings, "--batch-size", "4", "--fsdp"],
         processes=2,
     )
     key = "peak_cuda" if single["peak_cuda"] else "peak_rss"
