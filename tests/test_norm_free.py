@@ -210,13 +210,18 @@ def test_norm_free_refused_from_a_source_whose_norms_write_the_stream(tmp_path, 
     [
         ("llama", {"norm_type": "layernorm"}, r"^norm_placement: none .*: needs the source's norm_type 'rmsnorm'"),
         ("bias-free", {}, r"^norm_placement: none cannot .*: needs linear biases to take the source's LayerNorm bias"),
+        ("dyt", {}, r"^norm_placement: none cannot fold the source's norms into their readers: needs norms that div"),
     ],
 )
 def test_norm_free_refused_where_the_norms_cannot_fold(norm_free, tmp_path, source, options, refused):
     folder = norm_free / source
-    if source == "bias-free":  # pre-LN with LayerNorm biases, and no linear layer with a bias to take them
-        fields = dict(norm_type="layernorm", norm_bias=True, attention_bias=False, mlp_bias=False)
-        config = tiny_config(is_causal=True, norm_placement="pre", architectures=["NormSwapForCausalLM"], **fields)
+    sources = {  # pre-LN: LayerNorm biases and no linear layer with a bias to take them; DyT, which divides by nothing
+        "bias-free": dict(norm_type="layernorm", norm_bias=True, attention_bias=False, mlp_bias=False),
+        "dyt": dict(norm_type="dyt"),
+    }
+    if source in sources:
+        fields = dict(is_causal=True, norm_placement="pre", architectures=["NormSwapForCausalLM"], **sources[source])
+        config = tiny_config(**fields)
         NormSwapForCausalLM(config).save_pretrained(folder := tmp_path / source)
     with pytest.raises(ConversionError, match=refused):
         convert_checkpoint(str(folder), str(tmp_path / "out"), norm_placement="none", **options, **QUIET)
