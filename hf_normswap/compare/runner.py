@@ -237,12 +237,13 @@ class Runner:
         epoch of the best development loss."""
         experiment = self.experiment
         early_stopping = evaluates and experiment.early_stopping_patience is not None
+        share = process_share(experiment.batch_size)  # of a step's examples, each process's
         arguments = dict(
             output_dir=str(run_dir),
             run_name=run_dir.name if run_dir.parent.name == "runs" else f"search-{run_dir.name}",
             learning_rate=point["learning_rate"],
-            per_device_train_batch_size=process_share(experiment.batch_size),
-            per_device_eval_batch_size=process_share(experiment.batch_size),
+            per_device_train_batch_size=share,
+            per_device_eval_batch_size=share,
             num_train_epochs=experiment.epochs,
             max_steps=experiment.max_steps,
             warmup_steps=point["warmup_ratio"],

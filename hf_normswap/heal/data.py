@@ -35,6 +35,7 @@ def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> 
     """The options' data, tokenized; at most `eval_size` held-out rows, in batches of a process's share of
     `batch_size`. With the `mlm` objective, training batches have 15% of their tokens masked. With `data="teacher"`,
     the training text is sampled from the teacher and the held-out text is the SST-2 sample's."""
+    size = process_share(options.batch_size, HealError)  # every process measures every held-out batch
     sampled = options.data == "teacher"
     train, held_out, columns = load_texts(
         "sst2-sample" if sampled else options.data, text_column=options.text_column, data_dir=options.data_dir
@@ -46,7 +47,6 @@ def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> 
     held_out = held_out.select(range(min(options.eval_size, len(held_out))))
     held_out = _tokenize(held_out, columns, tokenizer, options.max_length, options.data)
     pad = DataCollatorWithPadding(tokenizer)
-    size = process_share(options.batch_size)  # every process measures every held-out batch
     batches = [
         dict(pad([held_out[i] for i in range(start, min(start + size, len(held_out)))]))
         for start in range(0, len(held_out), size)

@@ -39,7 +39,6 @@ from ..sharding import (
     is_main_process,
     prepare_frozen,
     prepare_trained,
-    process_share,
     processes,
     resumable,
     sharded,
@@ -96,7 +95,6 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         )
     out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
     options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
-    process_share(options.batch_size, HealError)
     if options.checkpoint_dir and not resumable(options.sharding):
         raise HealError(
             "checkpoint_dir is invalid with fsdp=True on CPU: the Trainer cannot resume a model sharded there"
