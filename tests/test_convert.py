@@ -6,6 +6,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -281,6 +282,36 @@ def test_llama_reverse_export_needs_causal_attention(tmp_path, capsys):
     assert cli(["export-native", str(tmp_path / "causal"), str(tmp_path / "back")]) == 0
     original, back = tensors(tmp_path / "source"), tensors(tmp_path / "back")
     assert set(original) == set(back) and all(torch.equal(t, back[n]) for n, t in original.items())
+
+
+@pytest.mark.parametrize(
+    "model_type, window",
+    [
+        ("mistral", {"sliding_window": 4}),  # every layer slides
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),  # q, k, v biases
+        ("qwen3", {"attention_bias": True}),  # q/k norms per head, biases on all four projections
+    ],
+)
+def test_llama_family_exports_as_its_sources_own_class(tmp_path, model_type, window):
+    """Mistral, Qwen2 and Qwen3 come back as themselves, windows and biases kept, bit-exact; without the record of
+    its source, a model is written as the one class of the family that holds it."""
+    save_source(tmp_path / "source", model_type, "ForCausalLM", **window)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "ns"), log=lambda _: None)
+    assert cli(["export-native", str(tmp_path / "ns"), str(tmp_path / "back")]) == 0
+    original, back = tensors(tmp_path / "source"), tensors(tmp_path / "back")
+    assert set(original) == set(back) and all(torch.equal(t, back[n]) for n, t in original.items())
+    source_config = AutoConfig.from_pretrained(tmp_path / "source")
+    config = AutoConfig.from_pretrained(tmp_path / "back")
+    assert config.model_type == model_type and config.architectures == source_config.architectures
+    assert config.sliding_window == source_config.sliding_window
+    assert getattr(config, "layer_types", None) == getattr(source_config, "layer_types", None)
+    ids = torch.tensor([[5, 9, 3, 7, 11, 2, 6, 8, 4, 10]])
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "source").eval()(ids).logits
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()(ids).logits, expected)
+
+    (tmp_path / "ns" / "conversion.json").unlink()
+    assert cli(["export-native", str(tmp_path / "ns"), str(tmp_path / "again")]) == 0
+    assert AutoConfig.from_pretrained(tmp_path / "again").model_type == model_type
 
 
 def test_sharded_source_gives_sharded_output_and_dtype(tmp_path):

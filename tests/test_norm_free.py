@@ -105,6 +105,29 @@ def test_norm_free_export_is_the_familys_own_class(norm_free, tmp_path, family, 
     assert (_logits(native.eval(), input_ids) - expected).abs().max() <= tolerance * expected.abs().max()
 
 
+@pytest.mark.parametrize(
+    "model_type, fields",
+    [
+        ("mistral", {"sliding_window": 4}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    ],
+)
+def test_norm_free_mistral_and_qwen2_export_as_their_own_classes(tmp_path, model_type, fields):
+    save_source(tmp_path / "source", model_type, "ForCausalLM", initializer_range=0.2, **fields)
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "none"), norm_placement="none", **QUIET)
+    variant = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "none").eval()
+    variant.config.first_position_scales = None
+    variant.save_pretrained(tmp_path / "none")
+    assert export_native(str(tmp_path / "none"), str(tmp_path / "native"), **QUIET)["architecture"] == (
+        f"{'Mistral' if model_type == 'mistral' else 'Qwen2'}ForCausalLM"
+    )
+    native = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
+    assert native.config.sliding_window == 4
+    input_ids = torch.randint(0, variant.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = _logits(variant, input_ids)
+    assert (_logits(native, input_ids) - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 def test_norm_free_export_refuses_first_positions_float16_and_query_key_norms(norm_free, tmp_path):
     with pytest.raises(ConversionError, match=r"^first_position_scales: the native classes have no scale for a seq"):
         export_native(str(norm_free / "llama-none"), str(tmp_path / "out"), **QUIET)

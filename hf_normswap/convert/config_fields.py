@@ -13,9 +13,12 @@ from transformers import (
     Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
+    MistralConfig,
     ModernBertConfig,
     Olmo2Config,
     PreTrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
 )
 
 from ..model.configuration_normswap import LAYER_TYPES, NormSwapConfig, rope_parameters_by_layer_type
@@ -226,29 +229,54 @@ MODERNBERT_FIELDS = FieldTable(
     ),
 )
 
-LLAMA_FIELDS = FieldTable(
-    LlamaConfig,
-    copied=(
-        *same_names(
-            *_SHARED_NAMES,
-            "num_key_value_heads",
-            "hidden_act",
-            "rope_parameters",
-            "attention_dropout",
-            "tie_word_embeddings",
+
+def _qwen_layer_types(config: NormSwapConfig) -> dict:
+    """Qwen's layer types, with the window switched on where some layer slides."""
+    return {"layer_types": list(config.layer_types), "use_sliding_window": config.sliding_window is not None}
+
+
+def _llama_fields(native_class: type[PreTrainedConfig], *written: str, **writes: Callable) -> FieldTable:
+    """The LLaMA family's fields (LLaMA, Mistral, Qwen2, Qwen3: read the same way), written back as `native_class`
+    takes them: the fields in `written` as they are, the ones in `writes` by their functions, the rest not at all
+    (fixed by the class, so the round trip reads them back as the class has them)."""
+
+    def computed(name: str, read: Callable) -> Computed:
+        write = writes.get(name) or (_written_back(name) if name in written else None)
+        return Computed(name, read, write)
+
+    return FieldTable(
+        native_class,
+        copied=(
+            *same_names(
+                *_SHARED_NAMES,
+                "num_key_value_heads",
+                "hidden_act",
+                "rope_parameters",
+                "attention_dropout",
+                "tie_word_embeddings",
+            ),
+            ("rms_norm_eps", "norm_eps"),
         ),
-        ("rms_norm_eps", "norm_eps"),
-    ),
-    fixed=dict(_ROPE_DECODER, norm_placement="pre"),
-    computed=(
-        Computed("head_dim", _head_dim, _written_back("head_dim")),
-        Computed("layer_types", _layer_types),
-        Computed("sliding_window", _sliding_window),
-        Computed("attention_bias", _qkv_bias, _written_back("attention_bias")),
-        Computed("attention_output_bias", _output_bias),
-        Computed("qk_norm", lambda source: source.model_type == "qwen3"),
-        Computed("mlp_bias", lambda source: getattr(source, "mlp_bias", False), _written_back("mlp_bias")),
-    ),
+        fixed=dict(_ROPE_DECODER, norm_placement="pre"),
+        computed=(
+            computed("head_dim", _head_dim),
+            computed("layer_types", _layer_types),
+            computed("sliding_window", _sliding_window),
+            computed("attention_bias", _qkv_bias),
+            Computed("attention_output_bias", _output_bias),
+            Computed("qk_norm", lambda source: source.model_type == "qwen3"),
+            computed("mlp_bias", lambda source: getattr(source, "mlp_bias", False)),
+        ),
+    )
+
+
+LLAMA_FIELDS = _llama_fields(LlamaConfig, "head_dim", "attention_bias", "mlp_bias")
+# The family's other classes, for the export: Mistral slides in every layer when it has a window; Qwen2 always has q,
+# k and v biases (head_dim is read where set); Qwen3 has q/k norms.
+MISTRAL_FIELDS = _llama_fields(MistralConfig, "head_dim", "sliding_window")
+QWEN2_FIELDS = _llama_fields(Qwen2Config, "head_dim", "sliding_window", layer_types=_qwen_layer_types)
+QWEN3_FIELDS = _llama_fields(
+    Qwen3Config, "head_dim", "sliding_window", "attention_bias", layer_types=_qwen_layer_types
 )
 
 OLMO2_FIELDS = FieldTable(

@@ -1,5 +1,5 @@
-"""Write a NormSwap checkpoint back as Transformers' own classes (BERT, LLaMA, GPT-2, Gemma 2/3, OLMo 2,
-ELECTRA, DistilBERT, ModernBERT), when its configuration allows.
+"""Write a NormSwap checkpoint back as Transformers' own classes (BERT, LLaMA, Mistral, Qwen2/3, GPT-2, Gemma 2/3,
+OLMo 2, ELECTRA, DistilBERT, ModernBERT), when its configuration allows; its source's own class first.
 
 Whether it allows is read off a round trip: each target's native configuration is written from the NormSwap one by
 its `FieldTable` and read back the way `convert` reads sources (`families.normswap_config`); a field that comes back
@@ -15,7 +15,7 @@ from ..checkpoint import copy_companion_files, output_folder, resolve_source
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, NATIVE_AUTO_CLASSES, head_of_config, local_name
 from .branch_calibration import removes_norms
-from .config_fields import GEMMA3_TEXT_FIELDS
+from .config_fields import GEMMA3_TEXT_FIELDS, MISTRAL_FIELDS, QWEN2_FIELDS, QWEN3_FIELDS
 from .constant_norms import constant_norm_config, with_constant_norms
 from .converter import ConversionRecord
 from .families import (
@@ -39,6 +39,9 @@ from .options import ConversionError
 TARGETS = (
     (BERT, BERT.fields),
     (LLAMA, LLAMA.fields),
+    (LLAMA, MISTRAL_FIELDS),
+    (LLAMA, QWEN2_FIELDS),
+    (LLAMA, QWEN3_FIELDS),
     (GPT2, GPT2.fields),
     (GEMMA, GEMMA.fields),
     (GEMMA, GEMMA3_TEXT_FIELDS),
@@ -87,10 +90,11 @@ def _blockers(config: NormSwapConfig, fields: FieldTable) -> tuple[list[str], bo
     return blockers, False
 
 
-def native_config(config: NormSwapConfig, head: str, own: Family | None = None) -> tuple[Family, object]:
-    """The family and Transformers configuration that compute what `config` computes, or a ConversionError naming why
-    not: the blocking fields of the model's `own` family where known (its source's), else of the closest native
-    architecture, and which native families hold its placement where that blocks."""
+def native_config(config: NormSwapConfig, head: str, own: str | None = None) -> tuple[Family, object]:
+    """The family and Transformers configuration that compute what `config` computes (the class of model type `own`,
+    its source's, where it can), or a ConversionError naming why not: the blocking fields of the source's family where
+    known, else of the closest native architecture, and which native families hold its placement where that blocks."""
+    own_family = next((family for family in FAMILIES if own in family.model_types and family.fields), None)
     candidates = []
     for family, fields in TARGETS:
         blockers, refused = _blockers(config, fields)
@@ -99,26 +103,31 @@ def native_config(config: NormSwapConfig, head: str, own: Family | None = None) 
         holds_placement = not refused and not any(blocker.startswith("norm_placement=") for blocker in blockers)
         candidates.append((family, fields, blockers, holds_placement))
     family, fields, blockers, holds_placement = min(
-        candidates, key=lambda candidate: (candidate[0] is not own, len(candidate[2]))
+        candidates,
+        key=lambda candidate: (
+            candidate[0] is not own_family,
+            bool(candidate[2]),
+            candidate[1].native_class.model_type != own,
+            len(candidate[2]),
+        ),
     )
     if blockers:
-        whose = "its source's family" if family is own else "the closest"
+        whose = "its source's family" if family is own_family else "the closest"
         message = f"cannot be written as a native {family.name} model ({whose}): {'; '.join(blockers)}"
-        if not holds_placement and family is own:
+        if not holds_placement and family is own_family:
             holding = dict.fromkeys(candidate[0].name for candidate in candidates if candidate[3])
             message += f"; native classes with this norm_placement: {', '.join(holding) or 'none'}"
         raise ConversionError(message)
     return family, fields.native_config(config)
 
 
-def _own_family(folder: Path) -> Family | None:
-    """The family of the checkpoint the NormSwap model in FOLDER was first converted from, where it records one."""
+def _source_model_type(folder: Path) -> str | None:
+    """The model type of the checkpoint the NormSwap model in FOLDER was first converted from, where it records one."""
     record = ConversionRecord.read(folder)
     if record is None:
         return None
     source = [*record.lineage_records(), record][0].source
-    model_type = source.model_type if source else None
-    return next((family for family in FAMILIES if model_type in family.model_types and family.fields), None)
+    return source.model_type if source else None
 
 
 def export_native(source: str, output: str, *, overwrite: bool = False, log=print) -> dict:
@@ -133,7 +142,7 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     head = head_of_config(config)
     norm_free = removes_norms(config)
     normed = constant_norm_config(config) if norm_free else config
-    family, target_config = native_config(normed, head, _own_family(Path(folder)))
+    family, target_config = native_config(normed, head, _source_model_type(Path(folder)))
 
     model = HEAD_CLASSES[head].from_pretrained(folder)
     if norm_free:
