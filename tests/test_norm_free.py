@@ -112,7 +112,9 @@ def test_norm_free_export_is_the_familys_own_class(norm_free, tmp_path, family, 
         ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     ],
 )
-def test_norm_free_mistral_and_qwen2_export_as_their_own_classes(tmp_path, model_type, fields):
+def test_norm_free_mistral_and_qwen2_export_as_their_own_classes_which_transformer_lens_reads(
+    tmp_path, model_type, fields
+):
     save_source(tmp_path / "source", model_type, "ForCausalLM", initializer_range=0.2, **fields)
     convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "none"), norm_placement="none", **QUIET)
     variant = HEAD_CLASSES["causal-lm"].from_pretrained(tmp_path / "none").eval()
@@ -126,6 +128,15 @@ def test_norm_free_mistral_and_qwen2_export_as_their_own_classes(tmp_path, model
     input_ids = torch.randint(0, variant.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     expected = _logits(variant, input_ids)
     assert (_logits(native, input_ids) - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+    from transformer_lens.model_bridge import TransformerBridge
+
+    bridge = TransformerBridge.boot_transformers(str(tmp_path / "native"), device="cpu")
+    logits, cache = bridge.run_with_cache(input_ids)
+    assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
+    with torch.no_grad():
+        stream = variant(input_ids, output_hidden_states=True).hidden_states[1]
+    assert (cache["blocks.1.hook_resid_pre"] - stream).abs().max() <= 1e-5 * stream.abs().max()
 
 
 def test_norm_free_export_refuses_first_positions_float16_and_query_key_norms(norm_free, tmp_path):
