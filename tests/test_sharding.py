@@ -5,6 +5,7 @@ Tolerance: 1e-5 on every logged loss, gradient norm, final weight and measuremen
 of float32 sums (all-gathers are exact; a reduce-scatter averages 2 partial gradients; token counts are reduced
 across processes), which moves results by a few float32 roundings (about 1e-7 here), far below 1e-5."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainingArguments
 
 from hf_normswap import heal_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.heal.options import CAUSAL_SCALING
-from hf_normswap.sharding import ShardingOptions, fsdp, options, trainer_bridge
+from hf_normswap.sharding import ShardingOptions, fsdp, launch_training_arguments, options, trainer_bridge
 from hf_normswap.sharding.options import ShardingError
 
 from helpers import (
@@ -291,6 +293,28 @@ def test_fsdp_in_one_process_heals_unsharded(variants, tmp_path):
     heal_checkpoint(str(variants / "bert" / "variant"), str(tmp_path / "fsdp"), fsdp=True, log=None, **settings)
     heal_checkpoint(str(variants / "bert" / "variant"), str(tmp_path / "plain"), log=None, **settings)
     got, expected = tensors(tmp_path / "fsdp"), tensors(tmp_path / "plain")
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_process_that_sees_several_gpus_trains_on_one(variants, tmp_path, monkeypatch):
+    """The Trainer gives a process every GPU it sees (`n_gpu`), wrapping the model in DataParallel and multiplying the
+    batch by their count: a process that sees two heals as one on one device, the same steps of the same texts."""
+    settings = dict(data=str(variants / "text.txt"), objective="hidden", max_steps=2, batch_size=4, eval_size=8)
+    heal_checkpoint(str(variants / "bert" / "variant"), str(tmp_path / "one"), log=None, **settings)
+    devices = TrainingArguments._setup_devices
+
+    def two_gpus(arguments):
+        device = devices.func(arguments)
+        arguments._n_gpu = 2
+        return device
+
+    seeing_two = functools.cached_property(two_gpus)
+    seeing_two.__set_name__(TrainingArguments, "_setup_devices")
+    monkeypatch.setattr(TrainingArguments, "_setup_devices", seeing_two)
+    assert TrainingArguments(output_dir=str(tmp_path), use_cpu=True).train_batch_size == 16  # 8 a device, doubled
+    assert launch_training_arguments(ShardingOptions(), None, output_dir=str(tmp_path), use_cpu=True).n_gpu == 1
+    heal_checkpoint(str(variants / "bert" / "variant"), str(tmp_path / "two"), log=None, **settings)
+    got, expected = tensors(tmp_path / "two"), tensors(tmp_path / "one")
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 

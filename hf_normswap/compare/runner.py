@@ -29,12 +29,12 @@ from ..sharding import (
     RecordShardedOutputs,
     from_main_process,
     is_main_process,
+    launch_training_arguments,
     loads_weights,
     prepare_trained,
     process_share,
     sharded,
     take_main_dtypes,
-    trainer_arguments,
     world_size,
 )
 from ..tasks import Task, unigram_loss
@@ -232,9 +232,9 @@ class Runner:
     def _arguments(
         self, point: dict, seed: int, run_dir: Path, model: torch.nn.Module, evaluates: bool
     ) -> TrainingArguments:
-        """The run's training arguments, with the experiment's sharding and mixed precision (`trainer_arguments`):
-        evaluating on the development split every epoch when it `evaluates`, and with early stopping, ending at the
-        epoch of the best development loss."""
+        """The run's training arguments, with the experiment's sharding and mixed precision, a device a process
+        (`launch_training_arguments`): evaluating on the development split every epoch when it `evaluates`, and with
+        early stopping, ending at the epoch of the best development loss."""
         experiment = self.experiment
         early_stopping = evaluates and experiment.early_stopping_patience is not None
         share = process_share(experiment.batch_size)  # of a step's examples, each process's
@@ -260,7 +260,7 @@ class Runner:
             restore_callback_states_from_checkpoint=True,
             use_cpu=not torch.accelerator.is_available(),
         )
-        return TrainingArguments(**{**arguments, **trainer_arguments(experiment.sharding, model)})
+        return launch_training_arguments(experiment.sharding, model, **arguments)
 
     def _final_metrics(self, evaluation: dict) -> tuple[dict, bool]:
         """The final evaluation's figures, and whether the run failed."""

@@ -20,7 +20,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..model.packing import pack_padded, unpack
 from ..probes.next_token import agreement, next_token_log_probs
-from ..sharding import RecordShardedOutputs, agreed_max, gathered, process_share, token_share, trainer_arguments
+from ..sharding import (
+    RecordShardedOutputs,
+    agreed_max,
+    gathered,
+    launch_training_arguments,
+    process_share,
+    token_share,
+)
 from .data import TEACHER_STATES
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure, measure_states, student_states
@@ -94,7 +101,7 @@ def training_arguments(
 ) -> TrainingArguments:
     """The Trainer's arguments: 10% warm-up then linear decay, seeded, the real tokens trained on counted; resumable
     checkpoints only in the options' `checkpoint_dir`; the student's sharding and mixed precision
-    (`trainer_arguments`)."""
+    (`launch_training_arguments`)."""
     arguments = dict(
         output_dir=str(output_dir),
         max_steps=options.max_steps,
@@ -114,7 +121,7 @@ def training_arguments(
         disable_tqdm=quiet,
         use_cpu=not torch.accelerator.is_available(),
     )
-    return TrainingArguments(**{**arguments, **trainer_arguments(options.sharding, student)})
+    return launch_training_arguments(options.sharding, student, **arguments)
 
 
 class HealProbeCallback(TrainerCallback):

@@ -9,7 +9,7 @@ from .gathering import gathered, unsharded
 from .memory_plan import MemoryPlan, describe_plan, plan_memory
 from .options import ShardingError, ShardingOptions, flat_settings, sharding_section, with_sharding_section
 from .processes import end_processes, is_main_process, process_share, processes, world_size
-from .trainer_bridge import RecordShardedOutputs, trainer_arguments
+from .trainer_bridge import RecordShardedOutputs, launch_training_arguments
 
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "from_main_process",
     "gathered",
     "is_main_process",
+    "launch_training_arguments",
     "loads_weights",
     "plan_memory",
     "prepare_frozen",
@@ -35,7 +36,6 @@ __all__ = [
     "sharding_section",
     "take_main_dtypes",
     "token_share",
-    "trainer_arguments",
     "unsharded",
     "with_sharding_section",
     "world_size",

@@ -5,7 +5,7 @@ import contextlib
 
 import torch
 from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, TrainingArguments
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 
@@ -41,3 +41,12 @@ def mark_sharded_at_load(model: torch.nn.Module) -> None:
     moves it nor wraps it in DDP (Transformers 5.19 and later read `is_distributed_loading_by_transformers`, which
     returns this attribute)."""
     model._is_distributed_loading_by_transformers = True
+
+
+def one_device_a_process(arguments: TrainingArguments) -> TrainingArguments:
+    """`arguments` with the process training on its one device, as the Trainer sets them for a model-parallel model
+    (`_n_gpu`, Transformers 5.x): otherwise a process that sees several GPUs wraps the model in DataParallel and
+    multiplies the batch by their count."""
+    if arguments.n_gpu > 1:
+        arguments._n_gpu = 1
+    return arguments

@@ -7,7 +7,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from .fsdp import accelerate_shards, block_class_names, resumable, run_whole_once, sharded
 from .options import ShardingOptions
-from .private_internals import record_outputs
+from .private_internals import one_device_a_process, record_outputs
 
 
 class RecordShardedOutputs(TrainerCallback):
@@ -43,3 +43,9 @@ def trainer_arguments(options: ShardingOptions, model: torch.nn.Module) -> dict:
     elif not resumable(options):
         arguments.update(save_strategy="no")
     return arguments
+
+
+def launch_training_arguments(options: ShardingOptions, model: torch.nn.Module, **arguments) -> TrainingArguments:
+    """The Trainer's `arguments` with those `options` set (`trainer_arguments`), each process on one device: a
+    launch's processes share a step's batch, and a process that sees several GPUs trains on the first alone."""
+    return one_device_a_process(TrainingArguments(**{**arguments, **trainer_arguments(options, model)}))
