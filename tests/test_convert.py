@@ -285,17 +285,18 @@ def test_llama_reverse_export_needs_causal_attention(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "model_type, window",
+    "model_type, fields",
     [
         ("mistral", {"sliding_window": 4}),  # every layer slides
         ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),  # q, k, v biases
-        ("qwen3", {"attention_bias": True}),  # q/k norms per head, biases on all four projections
+        # q/k norms per head, biases on all four projections
+        ("qwen3", {"attention_bias": True, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     ],
 )
-def test_llama_family_exports_as_its_sources_own_class(tmp_path, model_type, window):
+def test_llama_family_exports_as_its_sources_own_class(tmp_path, model_type, fields):
     """Mistral, Qwen2 and Qwen3 come back as themselves, windows and biases kept, bit-exact; without the record of
     its source, a model is written as the one class of the family that holds it."""
-    save_source(tmp_path / "source", model_type, "ForCausalLM", **window)
+    save_source(tmp_path / "source", model_type, "ForCausalLM", **fields)
     convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "ns"), log=lambda _: None)
     assert cli(["export-native", str(tmp_path / "ns"), str(tmp_path / "back")]) == 0
     original, back = tensors(tmp_path / "source"), tensors(tmp_path / "back")
@@ -305,6 +306,7 @@ def test_llama_family_exports_as_its_sources_own_class(tmp_path, model_type, win
     assert config.model_type == model_type and config.architectures == source_config.architectures
     assert config.sliding_window == source_config.sliding_window
     assert getattr(config, "layer_types", None) == getattr(source_config, "layer_types", None)
+    assert getattr(config, "max_window_layers", None) == getattr(source_config, "max_window_layers", None)
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 6, 8, 4, 10]])
     expected = AutoModelForCausalLM.from_pretrained(tmp_path / "source").eval()(ids).logits
     assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()(ids).logits, expected)

@@ -232,9 +232,9 @@ class Runner:
     def _arguments(
         self, point: dict, seed: int, run_dir: Path, model: torch.nn.Module, evaluates: bool
     ) -> TrainingArguments:
-        """The run's training arguments, with the experiment's sharding and mixed precision, a device a process
-        (`launch_training_arguments`): evaluating on the development split every epoch when it `evaluates`, and with
-        early stopping, ending at the epoch of the best development loss."""
+        """The run's training arguments, with the experiment's sharding and mixed precision, each process on one
+        device (`launch_training_arguments`): evaluating on the development split every epoch when it `evaluates`,
+        and with early stopping, ending at the epoch of the best development loss."""
         experiment = self.experiment
         early_stopping = evaluates and experiment.early_stopping_patience is not None
         share = process_share(experiment.batch_size)  # of a step's examples, each process's

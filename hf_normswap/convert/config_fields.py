@@ -231,8 +231,15 @@ MODERNBERT_FIELDS = FieldTable(
 
 
 def _qwen_layer_types(config: NormSwapConfig) -> dict:
-    """Qwen's layer types, with the window switched on where some layer slides."""
-    return {"layer_types": list(config.layer_types), "use_sliding_window": config.sliding_window is not None}
+    """Qwen's layer types, with the window switched on where some layer slides, and `max_window_layers` (the layers
+    before the first that slides) for readers that derive the types from it."""
+    types = list(config.layer_types)
+    first_sliding = types.index("sliding_attention") if "sliding_attention" in types else len(types)
+    return {
+        "layer_types": types,
+        "use_sliding_window": config.sliding_window is not None,
+        "max_window_layers": first_sliding,
+    }
 
 
 def _llama_fields(native_class: type[PreTrainedConfig], *written: str, **writes: Callable) -> FieldTable:
@@ -243,6 +250,9 @@ def _llama_fields(native_class: type[PreTrainedConfig], *written: str, **writes:
     def computed(name: str, read: Callable) -> Computed:
         write = writes.get(name) or (_written_back(name) if name in written else None)
         return Computed(name, read, write)
+
+    if unknown := {*written, *writes} - {"head_dim", "layer_types", "sliding_window", "attention_bias", "mlp_bias"}:
+        raise ValueError(f"{native_class.__name__}: no LLaMA-family field {sorted(unknown)} to write")
 
     return FieldTable(
         native_class,

@@ -113,7 +113,8 @@ def native_config(config: NormSwapConfig, head: str, own: str | None = None) -> 
     )
     if blockers:
         whose = "its source's family" if family is own_family else "the closest"
-        message = f"cannot be written as a native {family.name} model ({whose}): {'; '.join(blockers)}"
+        native = fields.native_class.model_type
+        message = f"cannot be written as a native {native} model ({whose}): {'; '.join(blockers)}"
         if not holds_placement and family is own_family:
             holding = dict.fromkeys(candidate[0].name for candidate in candidates if candidate[3])
             message += f"; native classes with this norm_placement: {', '.join(holding) or 'none'}"

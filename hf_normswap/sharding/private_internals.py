@@ -45,8 +45,8 @@ def mark_sharded_at_load(model: torch.nn.Module) -> None:
 
 def one_device_a_process(arguments: TrainingArguments) -> TrainingArguments:
     """`arguments` with the process training on its one device, as the Trainer sets them for a model-parallel model
-    (`_n_gpu`, Transformers 5.x): otherwise a process that sees several GPUs wraps the model in DataParallel and
-    multiplies the batch by their count."""
+    (`_n_gpu`, Transformers 5.5 to 5.25): otherwise `_setup_devices` gives a process that sees several GPUs all of
+    them, and the Trainer wraps the model in DataParallel and multiplies the batch by their count."""
     if arguments.n_gpu > 1:
         arguments._n_gpu = 1
     return arguments
