@@ -112,7 +112,12 @@ def _run_convert(args) -> None:
 
 def _add_export(commands) -> None:
     parser = commands.add_parser(
-        "export-native", help="write a NormSwap checkpoint as its native Transformers classes"
+        "export-native",
+        help="write a NormSwap checkpoint as its native Transformers classes",
+        description="Writes SOURCE as the Transformers class of the checkpoint it was converted from "
+        "(conversion.json) where that class holds its configuration, else as the first native class that does; a "
+        "norm-free model with norms that divide by a constant. Otherwise it names the fields that block it and writes "
+        "nothing.",
     )
     parser.add_argument("source", help="NormSwap checkpoint folder or Hub id")
     parser.add_argument("output", help="folder to write")
