@@ -261,9 +261,7 @@ def test_export_refusal_names_the_sources_family_and_the_classes_with_its_placem
     convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "post"), norm_placement="post", log=lambda _: None)
     assert cli(["export-native", str(tmp_path / "post"), str(tmp_path / "back")]) == 1
     error = capsys.readouterr().err
-    assert (
-        "cannot be written as a native llama model (its source's family): norm_placement='post' (needs pre)" in error
-    )
+    assert "cannot be written as a native llama model (its source's class): norm_placement='post' (needs pre)" in error
     assert error.rstrip().endswith("native classes with this norm_placement: bert, electra, distilbert")
     no_leftovers(tmp_path, tmp_path / "back")
 

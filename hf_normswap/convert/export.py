@@ -112,8 +112,9 @@ def native_config(config: NormSwapConfig, head: str, own: str | None = None) -> 
         ),
     )
     if blockers:
-        whose = "its source's family" if family is own_family else "the closest"
         native = fields.native_class.model_type
+        whose = "its source's family" if family is own_family else "the closest"
+        whose = "its source's class" if native == own else whose
         message = f"cannot be written as a native {native} model ({whose}): {'; '.join(blockers)}"
         if not holds_placement and family is own_family:
             holding = dict.fromkeys(candidate[0].name for candidate in candidates if candidate[3])
