@@ -242,18 +242,24 @@ def _qwen_layer_types(config: NormSwapConfig) -> dict:
     }
 
 
+# How the LLaMA family's computed fields read from any of its classes.
+_LLAMA_READS = {
+    "head_dim": _head_dim,
+    "layer_types": _layer_types,
+    "sliding_window": _sliding_window,
+    "attention_bias": _qkv_bias,
+    "attention_output_bias": _output_bias,
+    "qk_norm": lambda source: source.model_type == "qwen3",
+    "mlp_bias": lambda source: getattr(source, "mlp_bias", False),
+}
+
+
 def _llama_fields(native_class: type[PreTrainedConfig], *written: str, **writes: Callable) -> FieldTable:
     """The LLaMA family's fields (LLaMA, Mistral, Qwen2, Qwen3: read the same way), written back as `native_class`
     takes them: the fields in `written` as they are, the ones in `writes` by their functions, the rest not at all
     (fixed by the class, so the round trip reads them back as the class has them)."""
-
-    def computed(name: str, read: Callable) -> Computed:
-        write = writes.get(name) or (_written_back(name) if name in written else None)
-        return Computed(name, read, write)
-
-    if unknown := {*written, *writes} - {"head_dim", "layer_types", "sliding_window", "attention_bias", "mlp_bias"}:
+    if unknown := {*written, *writes} - set(_LLAMA_READS):
         raise ValueError(f"{native_class.__name__}: no LLaMA-family field {sorted(unknown)} to write")
-
     return FieldTable(
         native_class,
         copied=(
@@ -268,14 +274,9 @@ def _llama_fields(native_class: type[PreTrainedConfig], *written: str, **writes:
             ("rms_norm_eps", "norm_eps"),
         ),
         fixed=dict(_ROPE_DECODER, norm_placement="pre"),
-        computed=(
-            computed("head_dim", _head_dim),
-            computed("layer_types", _layer_types),
-            computed("sliding_window", _sliding_window),
-            computed("attention_bias", _qkv_bias),
-            Computed("attention_output_bias", _output_bias),
-            Computed("qk_norm", lambda source: source.model_type == "qwen3"),
-            computed("mlp_bias", lambda source: getattr(source, "mlp_bias", False)),
+        computed=tuple(
+            Computed(name, read, writes.get(name) or (_written_back(name) if name in written else None))
+            for name, read in _LLAMA_READS.items()
         ),
     )
 
