@@ -391,14 +391,18 @@ def test_sampled_texts_start_from_bos_else_eos_else_the_configs(llama):
 
 def test_inverse_cdf_sampling_draws_from_the_softmax_at_the_temperature():
     """200,000 draws of one row's next token: each token's frequency within 0.004 of softmax(scores / temperature)
-    (4 standard errors or more), and a token of score -inf, as `min_new_tokens` leaves EOS, never drawn."""
+    over the tokens not left out (4 standard errors or more); a token of score -inf, or one left out (EOS), never
+    drawn."""
     scores = torch.tensor([2.0, 0.5, -math.inf, 1.0, -1.0, 3.0])
-    for temperature in (1.0, 0.7):
+    for temperature, never in ((1.0, ()), (0.7, ()), (1.0, (5,))):
         torch.manual_seed(0)
-        drawn = InverseCdfSampling(temperature)(None, scores.expand(200_000, -1)).argmax(-1)
+        drawn = InverseCdfSampling(temperature, never)(None, scores.expand(200_000, -1)).argmax(-1)
         frequencies = torch.bincount(drawn, minlength=len(scores)) / len(drawn)
-        expected = torch.softmax(scores / temperature, -1)
-        assert frequencies[2] == 0 and (frequencies - expected).abs().max() < 0.004
+        expected = torch.softmax(
+            scores.index_fill(0, torch.tensor(never, dtype=torch.long), -math.inf) / temperature, -1
+        )
+        assert frequencies[2] == 0 and frequencies[list(never)].sum() == 0
+        assert (frequencies - expected).abs().max() < 0.004
 
 
 def test_calibration_texts_are_drawn_as_the_teachers_are(llama):

@@ -10,19 +10,22 @@ from ..devices import compute_device
 
 
 class InverseCdfSampling(LogitsProcessor):
-    """Draws each text's next token from softmax(scores / `temperature`) by its inverse distribution function (one
-    uniform draw a text), then leaves that token alone finite, so that greedy decoding takes it. The same distribution
-    as `generate`'s sampling, whose multinomial draws an exponential for every token of the vocabulary: on a CPU that
-    took longer than the decoding step's matrix products (docs/experiments/healing.md)."""
+    """Draws each text's next token from softmax(scores / `temperature`), the tokens `never` left out, by its inverse
+    distribution function (one uniform draw a text), then leaves that token alone finite, so that greedy decoding
+    takes it. The same distribution as `generate`'s sampling, whose multinomial draws an exponential for every token
+    of the vocabulary: on a CPU that took longer than the decoding step's matrix products, and `min_new_tokens`'
+    copies of the scores a sixth of a step of 256 texts (docs/experiments/healing.md)."""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    def __init__(self, temperature: float, never: tuple[int, ...] = ()):
+        self.temperature, self.never = temperature, list(never)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        cumulative = torch.softmax(scores.float() / self.temperature, -1).cumsum(-1, dtype=torch.float64)
+        weights = scores.float() / self.temperature
+        weights[:, self.never] = -math.inf
+        cumulative = torch.softmax(weights, -1).cumsum(-1, dtype=torch.float64)
         drawn = (1 - torch.rand(len(scores), 1, device=scores.device, dtype=torch.float64)) * cumulative[:, -1:]
         tokens = torch.searchsorted(cumulative, drawn).clamp_max(scores.shape[-1] - 1)  # in (0, total]: p > 0
-        return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
+        return weights.fill_(-math.inf).scatter_(-1, tokens, 0.0)
 
 
 def start_token(tokenizer, config) -> int | None:
@@ -47,12 +50,13 @@ def continue_texts(
 ):
     """`generate`'s output for `starts` (texts x tokens, on `model`'s device), each continued by exactly `new_tokens`
     tokens drawn at `temperature` (EOS kept out), with the hidden states of every step where `states`."""
+    eos = model.generation_config.eos_token_id
+    never = (eos,) if isinstance(eos, int) else tuple(eos or ())
     return model.generate(
         starts,
         attention_mask=torch.ones_like(starts),
         do_sample=False,
-        logits_processor=LogitsProcessorList([InverseCdfSampling(temperature)]),
-        min_new_tokens=new_tokens,
+        logits_processor=LogitsProcessorList([InverseCdfSampling(temperature, never)]),
         max_new_tokens=new_tokens,
         pad_token_id=pad,
         cache_implementation="static",
