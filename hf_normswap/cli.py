@@ -47,7 +47,10 @@ def _add_option(where, field: dataclasses.Field, annotation, shown) -> None:
     listed = typing.get_origin(unwrapped(annotation)) is list
     metavar = "{" + ",".join(choices) + "}" + (",..." if listed else "") if choices else None
     if "default:" not in help:  # a help that says its own default ("default: the source's") keeps it
-        help = f"{help} (default: {default})".lstrip()
+        own = _shown(_default(field))
+        differs = own != default and not (own in EMPTY and default in EMPTY)
+        otherwise = f"; with --model: {own}" if shown is not None and differs else ""
+        help = f"{help} (default: {default}{otherwise})".lstrip()
     help = help.replace("%", "%%")  # argparse formats help with %
     flag = "--" + field.name.replace("_", "-")
     if annotation in (bool, bool | None):  # --name / --no-name; not given: None
@@ -71,6 +74,14 @@ def given(args: argparse.Namespace, options: type) -> dict:
 
 def _default(field: dataclasses.Field):
     return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+EMPTY = (None, {}, "")  # defaults that all mean no setting
+
+
+def _shown(value):
+    """A default as an option writes it: a list comma-separated."""
+    return ",".join(map(str, value)) if isinstance(value, list) else value
 
 
 def _reader(annotation):
@@ -240,15 +251,15 @@ def _run_heal(args) -> None:
 
 def _add_compare(commands) -> None:
     embedded = Experiment.from_file(DEFAULT_EXPERIMENT)
-    shown = {name: ",".join(map(str, v)) if isinstance(v, list) else v for name, v in flat_settings(embedded).items()}
+    shown = {name: _shown(value) for name, value in flat_settings(embedded).items()}
     parser = commands.add_parser(
         "compare",
         help="fine-tune variants through the Trainer and report",
         description="Without --model or --config, the embedded default experiment "
         "(hf_normswap/data/default_experiment.yaml: all-MiniLM-L6-v2 as post, pre, pre+heal and sandwich+heal on the "
         "shipped SST-2 sample) is the base that options override, and the defaults shown are its values. With "
-        "--model, an option not given takes the experiment's own default instead (docs/comparisons.md lists them); "
-        "with --config, the file's value, else that default.",
+        "--model, an option not given takes the experiment's own default instead (shown after 'with --model' where "
+        "it differs); with --config, the file's value, else that default.",
     )
     parser.add_argument(
         "--config",

@@ -4,6 +4,7 @@
 import json
 import re
 import shutil
+from dataclasses import fields
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from transformers import (
 
 from hf_normswap import NormSwapForCausalLM, convert_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.compare.experiment import Experiment
+from hf_normswap.compare.experiment import DEFAULT_EXPERIMENT, Experiment
 from hf_normswap.sharding import ShardingOptions, flat_settings
 from hf_normswap.sharding.options import SECTION_TITLE
 
@@ -290,6 +291,12 @@ def test_help_shows_each_default_once_choices_and_the_sharding_section_last(comm
     closed = {"heal": ["--objective {hidden,cka,similarity,mlm,kl}", "--dtype {float32,bfloat16}"]}
     closed["compare"] = ["--norm-mapping {shift,keep,reset}", "--attention {bidirectional,causal}"]
     assert all(choices in options for choices in closed[command]), options
+    if command == "compare":  # the embedded experiment's default, then the one --model takes where it differs
+        embedded, own = Experiment.from_file(DEFAULT_EXPERIMENT), {f.name: f.default for f in fields(Experiment)}
+        assert embedded.seeds != own["seeds"] and embedded.max_length == own["max_length"]
+        flat = " ".join(options.split())
+        assert f"(default: {embedded.seeds}; with --model: {own['seeds']})" in flat
+        assert f"(default: {embedded.max_length})" in flat
 
 
 @pytest.mark.parametrize(
