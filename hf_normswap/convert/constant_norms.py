@@ -2,7 +2,11 @@
 norms: each norm gets epsilon E = 2^40, against which its input's mean square vanishes, and a gain of sqrt(E) = 2^20
 (times the fixed final scale before the head), so that g * x / sqrt(ms(x) + E) = x. Both are powers of two, so the
 scaling is exact; in float32 a mean square below 2^15 vanishes against E entirely, and above it the relative error is
-ms / (2E), 1e-5 at a token RMS of about 4,700."""
+ms / (2E), 1e-5 at a token RMS of about 4,700. Query/key norms, which stay norms, take E too: the queries and keys are
+scaled by the power of two s nearest sqrt(E / eps), so that they normalise with an epsilon of E / s^2, within a
+factor of 2 of their own eps (`query_key_scale`)."""
+
+import math
 
 import torch
 from torch import nn
@@ -20,12 +24,11 @@ def constant_norm_config(config: NormSwapConfig) -> NormSwapConfig:
     """The pre-LN configuration whose norms divide by a constant, computing what the norm-free `config` computes."""
     if config.norm_type == "dyt":
         raise ConversionError("norm_type='dyt': a tanh cannot divide by a constant; export needs layernorm or rmsnorm")
-    for field, norms in (("qk_norm", "query/key norms"), ("embedding_norm", "embedding norm")):
-        if getattr(config, field):
-            raise ConversionError(
-                f"{field}=True: the native classes have one norm epsilon, and the {norms} would take the norm-free "
-                f"export's {CONSTANT_NORM_EPS:.0f}"
-            )
+    if config.embedding_norm:
+        raise ConversionError(
+            "embedding_norm=True: the native classes have one norm epsilon, and the embedding norm would take the "
+            f"norm-free export's {CONSTANT_NORM_EPS:.0f}"
+        )
     if config.first_position_scales:
         raise ConversionError(
             "first_position_scales: the native classes have no scale for a sequence's first position; a norm-free "
@@ -35,6 +38,12 @@ def constant_norm_config(config: NormSwapConfig) -> NormSwapConfig:
     fields.update(norm_placement="pre", final_norm=True, final_scale=False, norm_eps=CONSTANT_NORM_EPS)
     fields.pop("removed_norm_rms", None)
     return NormSwapConfig.from_dict(fields)
+
+
+def query_key_scale(eps: float) -> float:
+    """The power of two by which queries and keys are scaled, so that their norms' epsilon of CONSTANT_NORM_EPS acts
+    as one of CONSTANT_NORM_EPS / scale^2, the nearest such to `eps`."""
+    return 2.0 ** round(math.log2(CONSTANT_NORM_EPS / eps) / 2)
 
 
 @torch.no_grad()
@@ -50,10 +59,13 @@ def with_constant_norms(model: nn.Module) -> nn.Module:
         )
     stand_in = type(model)(constant_norm_config(model.config)).to(dtype)
     ours, state = model.state_dict(), stand_in.state_dict()
+    queries_and_keys = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
     for name, tensor in state.items():
         if name in ours:
             tensor.copy_(ours[name])
-        if name.endswith("input_norm.bias"):
+        if model.config.qk_norm and name.endswith(queries_and_keys):
+            tensor.mul_(query_key_scale(model.config.norm_eps))
+        elif name.endswith("input_norm.bias"):
             tensor.zero_()
         elif name.endswith(("input_norm.weight", "model.norm.weight")) or name == "norm.weight":
             tensor.copy_(tensor * CONSTANT_NORM_GAIN if name in ours else torch.full_like(tensor, CONSTANT_NORM_GAIN))
