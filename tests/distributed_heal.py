@@ -4,14 +4,14 @@ its embeddings gathered whole) to the JSON file named on the command line.
 
 Run by `tests/test_sharding.py`: 2 sharded processes with PER_DEVICE texts each must heal as 1 process with 2 *
 PER_DEVICE does (no dropout, the same texts making up every step); the tied variant heals twice, with the KL's logits
-from the heads a chunk at a time (recomputed in the backward pass) and the teacher's from its forward (`-forward`,
-the student's kept for the backward pass); with --activation-checkpointing, the tied variant heals (its head a chunk
-at a time) with its layers recomputed in the backward pass. The calibrated variant (`fitted`) heals with every
-default (its layers fitted first), with --fsdp where more than one process runs, in the plain runs alone (no option,
-no tag), as does the sandwich variant by a gradual swap (`layers`); the tied variant then heals at a learning rate
-that diverges, which every process must end alike (rank 0 writes the error to the record's name with the suffix
-`.diverged`). `tests/test_sharding_gpu.py` runs it under `accelerate
-launch` on a GPU, also with --bf16 (bfloat16 mixed precision; the outputs' suffix `-bf16`)."""
+from the heads a chunk at a time (recomputed in the backward pass) and the teacher's from its forward (`-forward`, the
+student's kept for the backward pass); with --activation-checkpointing, the tied variant heals (its head a chunk at a
+time) with its layers recomputed in the backward pass. The calibrated variant (`fitted`) heals with every default (its
+layers fitted first, on text the teacher samples), with --fsdp where more than one process runs, in the plain runs
+alone (no option, no tag), as does the sandwich variant by a gradual swap (`layers`); the tied variant then heals at a
+learning rate that diverges, which every process must end alike (rank 0 writes the error to the record's name with the
+suffix `.diverged`). `tests/test_sharding_gpu.py` runs it under `accelerate launch` on a GPU, also with --bf16
+(bfloat16 mixed precision; the outputs' suffix `-bf16`)."""
 
 import argparse
 import json
@@ -94,7 +94,6 @@ if __name__ == "__main__":
         heal_checkpoint(
             str(folder / "fitted" / "variant"),
             str(healed_folder(folder, "fitted", per_device, suffix)),
-            data=str(folder / "text.txt"),
             max_steps=STEPS,
             batch_size=batch,
             reconstruct_sequences=16,

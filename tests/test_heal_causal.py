@@ -18,7 +18,14 @@ from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.heal import HealError, HealOptions, losses
 from hf_normswap.heal import trainer as trainer_module
-from hf_normswap.heal.data import TEACHER_STATES, heal_texts, sampled_together, teacher_samples
+from hf_normswap.heal.data import (
+    TEACHER_STATES,
+    TeacherSamples,
+    heal_texts,
+    sampled_ahead,
+    sampled_together,
+    teacher_samples,
+)
 from hf_normswap.heal.gradual_swap import GradualSwap, conversion_layer_gates
 from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_batches
 from hf_normswap.heal.trainer import HealTrainer
@@ -373,6 +380,24 @@ def test_teacher_samples_are_distinct(llama):
     count = sampled_together(teacher) + 8  # past the first seeded group
     streamed = [tuple(next(stream)["input_ids"]) for _ in range(count)]
     assert len(set(streamed)) == count and streamed[:12] == [tuple(row["input_ids"]) for row in rows]
+
+
+def test_texts_sampled_ahead_are_those_the_stream_reads_in_its_order(llama):
+    """What a sharded healing trains on (`sampled_ahead`, sampled before the teacher is sharded): the stream's first
+    texts in the order it reads them (each read twice here: two groups, then the first again), and the first
+    readings the fit reads."""
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    options = HealOptions(
+        data="teacher", sample_length=6, sample_reads=2, reconstruct_steps=1, reconstruct_sequences=16
+    )
+    stream = TeacherSamples(teacher, start=1, pad=0, options=options, states=False)
+    count = 2 * sampled_together(teacher) + 8
+    ahead = sampled_ahead(stream, count, options)
+    fresh = TeacherSamples(teacher, start=1, pad=0, options=options, states=False)
+    assert [row["input_ids"] for row in ahead] == [row["input_ids"] for row in itertools.islice(fresh, count)]
+    first = [row["input_ids"] for row in itertools.islice(fresh.first_readings(), 16)]
+    assert [row["input_ids"] for row in ahead.first_readings()] == first
+    assert len({tuple(row) for row in ahead.rows}) == count - 8  # the first group's second reading after the second's
 
 
 def test_sampled_texts_start_from_bos_else_eos_else_the_configs(llama):

@@ -214,6 +214,38 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         return ids, torch.stack([torch.cat(boundary, 1) for boundary in zip(*steps)], 1).cpu()
 
 
+class SampledTexts(torch.utils.data.IterableDataset):
+    """A stream's texts sampled ahead (`sampled_ahead`): `rows`, the texts training reads, in the stream's order,
+    and `fitted`, the first readings that the layers' fit reads."""
+
+    def __init__(self, rows: list[list[int]], fitted: list[list[int]]):
+        self.rows, self.fitted = rows, fitted
+
+    def __iter__(self):
+        return _texts(self.rows)
+
+    def first_readings(self):
+        return _texts(self.fitted)
+
+
+def _texts(rows: list[list[int]]):
+    return ({"input_ids": row, "attention_mask": [1] * len(row)} for row in rows)
+
+
+def sampled_ahead(stream: TeacherSamples, texts: int, options: HealOptions) -> SampledTexts:
+    """The first `texts` texts of `stream` in the order it reads them, and the first readings the layers' fit reads:
+    sampled now, when sharded by the main process (which alone holds the teacher's weights before it is sharded) for
+    every process, so that a sharded healing trains on the texts one process would."""
+    fitted = options.reconstruct_sequences if options.reconstruct_steps else 0
+    rows = None
+    if loads_weights(options.sharding):
+        read = itertools.chain(itertools.islice(stream.first_readings(), fitted), itertools.islice(stream, texts))
+        rows = torch.tensor([row["input_ids"] for row in read])
+    if sharded(options.sharding):
+        rows = from_main_process(rows, shape=(fitted + texts, options.sample_length))
+    return SampledTexts(rows[fitted:].tolist(), rows[:fitted].tolist())
+
+
 def development_batches(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> list[dict]:
     """`dev_size` texts sampled from the teacher as the training texts are, from a group of their own
     (`DEVELOPMENT_GROUP`), in batches of 16; when sharded, sampled by the main process for every process."""
@@ -248,13 +280,14 @@ def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -
     sampled once (when sharded, by the main process, which alone holds the teacher's weights, for every process), or
     else an endless stream (`TeacherSamples`). On a CPU the stream's texts come with the teacher's states on them:
     there the teacher's forward took a seventh of a healing step; on an accelerator it is cheap, and the states of a
-    group of 1,024 texts would take gigabytes of its memory."""
+    group of 1,024 texts would take gigabytes of its memory. A sharded healing samples the stream's texts ahead
+    (`sampled_ahead`), without the states, which the sharded teacher computes again."""
     if not callable(getattr(teacher, "generate", None)):
         raise HealError("--data teacher needs a teacher that generates (a causal LM); the teacher has no such head")
     start = start_token(tokenizer, teacher.config)
     if start is None:
         raise HealError("--data teacher needs a BOS or EOS token (the tokenizer's or the teacher's) to start from")
-    states = options.sample_count is None and compute_device(teacher).type == "cpu"
+    states = options.sample_count is None and compute_device(teacher).type == "cpu" and not sharded(options.sharding)
     stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=states)
     if options.sample_count is None:
         return stream

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sized
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,7 +45,7 @@ from ..sharding import (
     unsharded,
     with_sharding_section,
 )
-from .data import HealTexts, heal_texts
+from .data import HealTexts, TeacherSamples, heal_texts, sampled_ahead
 from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_layer_gates
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
 from .models import HealModels, layer_parameters, load_models, memory_settings
@@ -104,6 +104,8 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     if head_of_config(models.student.config) == "causal-lm":
         width, parameters = models.student.config.hidden_size, layer_parameters(models.student)
         options = options.scaled(width, parameters, tokens_per_text=_tokens_per_text(texts, options))
+    if sharded(options.sharding) and isinstance(texts.train, TeacherSamples):  # before the teacher is sharded
+        texts = replace(texts, train=sampled_ahead(texts.train, options.max_steps * options.batch_size, options))
     main = is_main_process()
     fit = None
     if options.reconstruct_steps:  # the fit's texts checked by every process; the main one fits, before sharding

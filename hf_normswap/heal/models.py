@@ -111,8 +111,6 @@ def check_for_student(variant: str, options: HealOptions, head: str) -> None:
             f"reconstruct_steps={options.reconstruct_steps} needs a calibrated conversion out of pre-LN; "
             f"{variant}'s conversion.json records none"
         )
-    if options.sharding.fsdp and options.data == "teacher" and options.sample_count is None:
-        raise HealError("data='teacher' with fsdp=True needs sample_count: texts are sampled once, before sharding")
 
 
 def layer_parameters(model: torch.nn.Module) -> int:

@@ -21,7 +21,7 @@ from ..model.configuration_normswap import NORM_PLACEMENTS
 from ..model.evaluation_mode import evaluation_mode
 from ..probes.probe_data import on_device
 from ..probes.stream_mix import normalised
-from .data import TeacherSamples
+from .data import SampledTexts, TeacherSamples
 from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
 
 
@@ -128,7 +128,7 @@ def reconstruct_layers(
 def reconstruction_batches(train, tokenizer, options: HealOptions) -> list[dict]:
     """The first `reconstruct_sequences` texts of the healing's training text (of a stream that reads texts again,
     their first readings), padded in batches of `RECONSTRUCTION_BATCH_SIZE`, then `first_position_batch` of them."""
-    texts = train.first_readings() if isinstance(train, TeacherSamples) else iter(train)
+    texts = train.first_readings() if isinstance(train, TeacherSamples | SampledTexts) else iter(train)
     rows = list(itertools.islice(texts, options.reconstruct_sequences))
     if len(rows) < options.reconstruct_sequences:
         raise HealError(
