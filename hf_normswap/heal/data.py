@@ -134,8 +134,8 @@ CPU_SAMPLING_WORK = 64 * 134_515_008  # texts x teacher parameters a decoding st
 def sampled_together(teacher: torch.nn.Module) -> int:
     """How many texts one seeded generation of `teacher` samples, whatever the batch size or process count: on a CPU,
     as many as give a decoding step SmolLM2-135M's 64 texts' work (texts x parameters; its groups of 256 sample a text
-    1.3 times faster, but take 4 times the memory, and at its default budget the last group's unread texts cost what
-    they save), in powers of two from 64 to 1024, since a smaller model's steps wait on Python more than on
+    1.1 to 1.4 times faster, but take 4 times the memory, and at its default budget the last group's unread texts cost
+    what they save), in powers of two from 64 to 1024, since a smaller model's steps wait on Python more than on
     arithmetic; 1024 on an accelerator, whose decoding steps wait on Python (measured: docs/experiments/healing.md)."""
     if compute_device(teacher).type != "cpu":
         return 1024
