@@ -180,7 +180,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
 
     def _groups(self):
         """(index, texts, states) of every group in turn, those the layers' fit reads kept as they are sampled."""
-        fitted = self.options.reconstruct_sequences if self.options.reconstruct_steps else 0
+        fitted = self.options.fit_texts
         for group in itertools.count():
             ids, states = self.kept[group] if group in self.kept else self.sample(group)
             if group * self.together < fitted:
@@ -193,8 +193,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         order = torch.randperm(len(ids), generator=shuffle).tolist() if reading else range(len(ids))
         rows = ids.tolist()
         for index in order:
-            text = {"input_ids": rows[index], "attention_mask": [1] * len(rows[index])}
-            yield text if states is None else text | {TEACHER_STATES: states[index]}
+            yield _text(rows[index]) if states is None else _text(rows[index]) | {TEACHER_STATES: states[index]}
 
     def sample(self, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The group's texts (texts x length) and, with `states`, the teacher's states on them (texts x boundaries x
@@ -215,47 +214,54 @@ class TeacherSamples(torch.utils.data.IterableDataset):
 
 
 class SampledTexts(torch.utils.data.IterableDataset):
-    """A stream's texts sampled ahead (`sampled_ahead`): `rows`, the texts training reads, in the stream's order,
-    and `fitted`, the first readings that the layers' fit reads."""
+    """A stream's texts sampled ahead (`sampled_ahead`): `rows` (texts x length), those training reads, in the
+    stream's order, and `fitted`, the first readings that the layers' fit reads."""
 
-    def __init__(self, rows: list[list[int]], fitted: list[list[int]]):
+    def __init__(self, rows: torch.Tensor, fitted: torch.Tensor):
         self.rows, self.fitted = rows, fitted
 
     def __iter__(self):
-        return _texts(self.rows)
+        return (_text(row.tolist()) for row in self.rows)
 
     def first_readings(self):
-        return _texts(self.fitted)
+        return (_text(row.tolist()) for row in self.fitted)
 
 
-def _texts(rows: list[list[int]]):
-    return ({"input_ids": row, "attention_mask": [1] * len(row)} for row in rows)
+def _text(ids: list[int]) -> dict:
+    return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+
+
+def sampled_by_main_process(sample: Callable[[], torch.Tensor], shape: tuple, options: HealOptions) -> torch.Tensor:
+    """`sample()` (token ids of `shape`), when sharded run by the main process alone, which holds the teacher's
+    weights before it is sharded, and handed to every process."""
+    ids = sample() if loads_weights(options.sharding) else None
+    return from_main_process(ids, shape=shape) if sharded(options.sharding) else ids
 
 
 def sampled_ahead(stream: TeacherSamples, texts: int, options: HealOptions) -> SampledTexts:
-    """The first `texts` texts of `stream` in the order it reads them, and the first readings the layers' fit reads:
-    sampled now, when sharded by the main process (which alone holds the teacher's weights before it is sharded) for
-    every process, so that a sharded healing trains on the texts one process would."""
-    fitted = options.reconstruct_sequences if options.reconstruct_steps else 0
-    rows = None
-    if loads_weights(options.sharding):
+    """The first `texts` texts of `stream` in the order it reads them, and the first readings the layers' fit reads,
+    sampled now (`sampled_by_main_process`, on the main process's CPU): a sharded healing on CPU trains on them as one
+    process trains on its stream; on GPUs one process samples other draws (groups of 1,024, the GPU's generator)."""
+    fitted = options.fit_texts
+
+    def sample() -> torch.Tensor:
         read = itertools.chain(itertools.islice(stream.first_readings(), fitted), itertools.islice(stream, texts))
-        rows = torch.tensor([row["input_ids"] for row in read])
-    if sharded(options.sharding):
-        rows = from_main_process(rows, shape=(fitted + texts, options.sample_length))
-    return SampledTexts(rows[fitted:].tolist(), rows[:fitted].tolist())
+        return torch.tensor([row["input_ids"] for row in read])
+
+    rows = sampled_by_main_process(sample, (fitted + texts, options.sample_length), options)
+    return SampledTexts(rows[fitted:], rows[:fitted])
 
 
 def development_batches(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> list[dict]:
     """`dev_size` texts sampled from the teacher as the training texts are, from a group of their own
-    (`DEVELOPMENT_GROUP`), in batches of 16; when sharded, sampled by the main process for every process."""
-    ids = None
-    if loads_weights(options.sharding):
+    (`DEVELOPMENT_GROUP`), in batches of 16 (`sampled_by_main_process`)."""
+
+    def sample() -> torch.Tensor:
         start = start_token(tokenizer, teacher.config)
         stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=False)
-        ids = stream.sample(DEVELOPMENT_GROUP)[0][: options.dev_size]
-    if sharded(options.sharding):
-        ids = from_main_process(ids, shape=(options.dev_size, options.sample_length))
+        return stream.sample(DEVELOPMENT_GROUP)[0][: options.dev_size]
+
+    ids = sampled_by_main_process(sample, (options.dev_size, options.sample_length), options)
     return [
         {"input_ids": part, "attention_mask": torch.ones_like(part)} for part in ids.split(RECONSTRUCTION_BATCH_SIZE)
     ]
@@ -278,10 +284,10 @@ class WithTeacherStates:
 def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> Dataset | TeacherSamples:
     """Texts sampled from the teacher after BOS (else EOS), every second one without it: `sample_count` of them
     sampled once (when sharded, by the main process, which alone holds the teacher's weights, for every process), or
-    else an endless stream (`TeacherSamples`). On a CPU the stream's texts come with the teacher's states on them:
-    there the teacher's forward took a seventh of a healing step; on an accelerator it is cheap, and the states of a
-    group of 1,024 texts would take gigabytes of its memory. A sharded healing samples the stream's texts ahead
-    (`sampled_ahead`), without the states, which the sharded teacher computes again."""
+    else an endless stream (`TeacherSamples`). On a CPU, in one process, the stream's texts come with the teacher's
+    states on them: there the teacher's forward took a seventh of a healing step; on an accelerator it is cheap, and
+    the states of a group of 1,024 texts would take gigabytes of its memory. A sharded healing samples the stream's
+    texts ahead (`sampled_ahead`), without the states, which the sharded teacher computes again."""
     if not callable(getattr(teacher, "generate", None)):
         raise HealError("--data teacher needs a teacher that generates (a causal LM); the teacher has no such head")
     start = start_token(tokenizer, teacher.config)
@@ -291,9 +297,9 @@ def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -
     stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=states)
     if options.sample_count is None:
         return stream
-    ids = None
-    if loads_weights(options.sharding):
-        ids = torch.tensor([row["input_ids"] for row in itertools.islice(stream, options.sample_count)])
-    if sharded(options.sharding):
-        ids = from_main_process(ids, shape=(options.sample_count, options.sample_length))
-    return Dataset.from_list([{"input_ids": row, "attention_mask": [1] * len(row)} for row in ids.tolist()])
+    ids = sampled_by_main_process(
+        lambda: torch.tensor([row["input_ids"] for row in itertools.islice(stream, options.sample_count)]),
+        (options.sample_count, options.sample_length),
+        options,
+    )
+    return Dataset.from_list([_text(row) for row in ids.tolist()])

@@ -301,6 +301,11 @@ class HealOptions:
     def __post_init__(self):
         check_options(self, HealError)
 
+    @property
+    def fit_texts(self) -> int:
+        """The texts the layers' fit reads: the training text's first `reconstruct_sequences`, none without a fit."""
+        return self.reconstruct_sequences if self.reconstruct_steps else 0
+
     def for_head(self, head: str, out_of_pre_ln: bool = False) -> "HealOptions":
         """These options with those left open set by `HEAD_DEFAULTS` for a student with `head`, and by
         `FITTED_DEFAULTS` where a causal LM's conversion was calibrated out of pre-LN (`out_of_pre_ln`); a causal LM's

@@ -10,7 +10,8 @@ from ..devices import compute_device
 
 
 class InverseCdfSampling(LogitsProcessor):
-    """Draws each text's next token from softmax(scores / `temperature`), the tokens `never` left out, by its inverse
+    """Draws each text's next token from softmax(scores / `temperature`), the tokens `never` left out (those it
+    scores), by its inverse
     distribution function (one uniform draw a text), then leaves that token alone finite, so that greedy decoding
     takes it. The same distribution as `generate`'s sampling, whose multinomial draws an exponential for every token
     of the vocabulary: on a CPU that took longer than the decoding step's matrix products, and `min_new_tokens`'
@@ -21,7 +22,7 @@ class InverseCdfSampling(LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         weights = scores.float() / self.temperature
-        weights[:, self.never] = -math.inf
+        weights[:, [token for token in self.never if 0 <= token < weights.shape[-1]]] = -math.inf  # ids it scores
         cumulative = torch.softmax(weights, -1).cumsum(-1, dtype=torch.float64)
         drawn = (1 - torch.rand(len(scores), 1, device=scores.device, dtype=torch.float64)) * cumulative[:, -1:]
         tokens = torch.searchsorted(cumulative, drawn).clamp_max(scores.shape[-1] - 1)  # in (0, total]: p > 0
