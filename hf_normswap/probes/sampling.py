@@ -11,11 +11,11 @@ from ..devices import compute_device
 
 class InverseCdfSampling(LogitsProcessor):
     """Draws each text's next token from softmax(scores / `temperature`), the tokens `never` left out (those it
-    scores), by its inverse
-    distribution function (one uniform draw a text), then leaves that token alone finite, so that greedy decoding
-    takes it. The same distribution as `generate`'s sampling, whose multinomial draws an exponential for every token
-    of the vocabulary: on a CPU that took longer than the decoding step's matrix products, and `min_new_tokens`'
-    copies of the scores a sixth of a step of 256 texts (docs/experiments/healing.md)."""
+    scores), by its inverse distribution function (one uniform draw a text), then leaves that token alone finite, so
+    that greedy decoding takes it. The same distribution as `generate`'s sampling, whose multinomial draws an
+    exponential for every token of the vocabulary: on a CPU that took longer than the decoding step's matrix
+    products, and `min_new_tokens`' copies of the scores a sixth of a step of 256 texts
+    (docs/experiments/healing.md)."""
 
     def __init__(self, temperature: float, never: tuple[int, ...] = ()):
         self.temperature, self.never = temperature, list(never)
