@@ -59,12 +59,13 @@ def with_constant_norms(model: nn.Module) -> nn.Module:
         )
     stand_in = type(model)(constant_norm_config(model.config)).to(dtype)
     ours, state = model.state_dict(), stand_in.state_dict()
-    queries_and_keys = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+    queries_and_keys = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias") if model.config.qk_norm else ()
+    scale = query_key_scale(model.config.norm_eps)
     for name, tensor in state.items():
         if name in ours:
             tensor.copy_(ours[name])
-        if model.config.qk_norm and name.endswith(queries_and_keys):
-            tensor.mul_(query_key_scale(model.config.norm_eps))
+        if name.endswith(queries_and_keys):
+            tensor.mul_(scale)
         elif name.endswith("input_norm.bias"):
             tensor.zero_()
         elif name.endswith(("input_norm.weight", "model.norm.weight")) or name == "norm.weight":
