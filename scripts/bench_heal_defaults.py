@@ -52,10 +52,9 @@ def held_out_texts(source: str, folder: Path, count: int = 256, length: int = 64
     start = start_token(tokenizer, teacher.config)
     options = HealOptions(sample_length=length + 1)
     stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=False)
-    stream.together = 64  # the held-out texts of every run recorded, whatever a healing's groups
     ids = []
     for group in range(HELD_OUT_GROUP, HELD_OUT_GROUP + 64):
-        ids.append(stream.sample(group)[0])
+        ids.append(stream.sample(group, 64)[0])  # the held-out texts of every run, whatever a healing's groups
         if sum(len(part) for part in ids) >= count:
             break
     ids = torch.cat(ids)[:count]

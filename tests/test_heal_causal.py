@@ -560,11 +560,28 @@ def test_teacher_samples_read_again(llama, monkeypatch):
 
 
 def test_a_smaller_teacher_samples_more_texts_a_group_on_a_cpu():
-    """On a CPU a group holds SmolLM2-135M's 64 texts x parameters a decoding step, in powers of two, 64 to 1024."""
-    expected = {134_515_008: 64, 10**9: 64, 134_515_008 // 4: 256, 134_515_008 // 5: 256, 258_112: 1024, 22_560: 1024}
+    """On a CPU a group holds at most SmolLM2-135M's 256 texts x parameters a decoding step, in powers of two, 64 to
+    1024; with planned steps, as few as cover the texts training reads (its steps' batches and the one read ahead) in
+    that many groups, each group's texts read `sample_reads` times."""
+    expected = {134_515_008: 256, 10**9: 64, 134_515_008 * 3: 64, 134_515_008 // 4: 1024, 258_112: 1024}
     for parameters, texts in expected.items():
         teacher = torch.nn.Linear(parameters, 1, bias=False, device="meta")  # the meta device computes on a CPU
         assert sampled_together(teacher) == texts
+    smollm2 = torch.nn.Linear(134_515_008, 1, bias=False, device="meta")
+    planned = {(100, 8, 1): 202, (100, 8, 2): 162, (20, 8, 1): 168, (2, 8, 1): 24, (100, 32, 1): 249}
+    for (steps, batch, reads), texts in planned.items():  # 808 reads: 4 groups of 202; 2 reads: 3 groups, 5 readings
+        options = HealOptions(data="teacher", max_steps=steps, batch_size=batch, sample_reads=reads)
+        assert sampled_together(smollm2, options) == texts
+
+
+def test_a_healing_samples_the_texts_it_reads(llama, monkeypatch):
+    """A healing on the teacher's text samples its steps' texts and the batch read ahead in one group, no more."""
+    groups, reads, sample, read = [], [], TeacherSamples.sample, TeacherSamples._read
+    monkeypatch.setattr(TeacherSamples, "sample", lambda *args: groups.append(len((out := sample(*args))[0])) or out)
+    monkeypatch.setattr(TeacherSamples, "_read", lambda *args: (reads.append(1) or row for row in read(*args)))
+    options = HEAL | dict(max_steps=3, batch_size=4, reconstruct_steps=0)
+    report = heal_checkpoint(str(llama / "post"), str(llama / "sampled-as-read"), **options, data="teacher")
+    assert report["steps"] == 3 and groups == [16] and len(reads) == 16  # (3 + 1) x 4
 
 
 def test_teacher_samples_depend_on_no_batch_size(llama):

@@ -128,19 +128,37 @@ def _tokenize(rows: Dataset, columns: list[str], tokenizer, max_length: int, nam
     return encoded.remove_columns("special_tokens_mask")
 
 
-CPU_SAMPLING_WORK = 64 * 134_515_008  # texts x teacher parameters a decoding step: SmolLM2-135M's 64 texts
+CPU_SAMPLING_WORK = 256 * 134_515_008  # texts x teacher parameters a decoding step: SmolLM2-135M's 256 texts
 
 
-def sampled_together(teacher: torch.nn.Module) -> int:
-    """How many texts one seeded generation of `teacher` samples, whatever the batch size or process count: on a CPU,
-    as many as give a decoding step SmolLM2-135M's 64 texts' work (texts x parameters; its groups of 256 sample a text
-    1.1 to 1.4 times faster, but take 4 times the memory, and at its default budget the last group's unread texts cost
-    what they save), in powers of two from 64 to 1024, since a smaller model's steps wait on Python more than on
-    arithmetic; 1024 on an accelerator, whose decoding steps wait on Python (measured: docs/experiments/healing.md)."""
+def sampled_together(teacher: torch.nn.Module, options: HealOptions | None = None) -> int:
+    """How many texts one seeded generation of `teacher` samples, whatever the process count: 1024 on an
+    accelerator, whose decoding steps wait on Python. On a CPU, at most as many as give a decoding step the work of
+    SmolLM2-135M's 256 texts (texts x parameters; its groups of 64 sample a text 1.1 to 1.4 times slower), in powers of
+    two from 64 to 1024, since a smaller model's steps wait on Python more than on arithmetic; where `options` plan
+    their steps, as few as cover the texts training reads (`stream_reads`) in that many groups, so that the last group
+    samples no texts that go unread (measured: docs/experiments/healing.md)."""
     if compute_device(teacher).type != "cpu":
         return 1024
     parameters = sum(parameter.numel() for parameter in teacher.parameters())
-    return min(1024, max(64, 2 ** int(math.log2(CPU_SAMPLING_WORK / parameters))))
+    most = min(1024, max(64, 2 ** int(math.log2(CPU_SAMPLING_WORK / parameters))))
+    if options is None or options.max_steps is None:
+        return most
+    reads = stream_reads(options)
+    groups = next(count for count in itertools.count(1) if most * _readings(count, options.sample_reads) >= reads)
+    return math.ceil(reads / _readings(groups, options.sample_reads))
+
+
+def stream_reads(options: HealOptions) -> int:
+    """The texts one process's training reads from a stream: its steps' batches and the next, which the data loader
+    reads ahead to see whether the stream has ended."""
+    return (options.max_steps + 1) * options.batch_size
+
+
+def _readings(groups: int, reads: int) -> int:
+    """How many texts of a group the stream has read once it has sampled `groups`: each group once at its first
+    reading, and once more at each of the next `reads` - 1 groups' (`TeacherSamples`)."""
+    return sum(min(group, reads) for group in range(1, groups + 1))
 
 
 TEACHER_STATES = "teacher_hidden_states"  # a sampled text's key: the teacher's states at every boundary
@@ -150,7 +168,7 @@ DEVELOPMENT_GROUP = 2**31 - 1  # the seed of the development texts' group, which
 class TeacherSamples(torch.utils.data.IterableDataset):
     """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`,
     `sampled_together` at a time; each group seeded by its index (the global generator is left as it was), so that a
-    run can be reproduced whatever its batch size and process count. Each text is read `sample_reads` times: a
+    run can be reproduced whatever its process count. Each text is read `sample_reads` times: a
     group's first reading, then the earlier groups' next readings, each in a seeded order. Every second text is sampled
     without the token `start`, from a first token drawn after it, so that the student learns both ways a text reaches
     the model: after BOS (a chat template) and without it (a tokenizer that adds none). With `states`, each text
@@ -161,8 +179,12 @@ class TeacherSamples(torch.utils.data.IterableDataset):
 
     def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions, states: bool):
         self.teacher, self.start, self.pad, self.options, self.states = teacher, start, pad, options, states
-        self.together = sampled_together(teacher)
+        self.together = sampled_together(teacher, options)
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def planned(self, options: HealOptions) -> "TeacherSamples":
+        """This stream for `options` whose steps are set, its groups sized to the texts those steps read."""
+        return TeacherSamples(self.teacher, self.start, self.pad, options, self.states)
 
     def __iter__(self):
         recent = collections.deque(maxlen=self.options.sample_reads)  # the groups still to be read again
@@ -195,14 +217,14 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         for index in order:
             yield _text(rows[index]) if states is None else _text(rows[index]) | {TEACHER_STATES: states[index]}
 
-    def sample(self, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The group's texts (texts x length) and, with `states`, the teacher's states on them (texts x boundaries x
-        length x hidden). Sampling one token more than the texts hold runs the teacher on every token they do
-        hold."""
+    def sample(self, group: int, texts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The group's texts (`texts`, else `together`, x length) and, with `states`, the teacher's states on them
+        (texts x boundaries x length x hidden). Sampling one token more than the texts hold runs the teacher on every
+        token they do hold."""
         options, device = self.options, compute_device(self.teacher)
         sampling = dict(temperature=options.sample_temperature, pad=self.pad)
         with seeded(self.teacher, group):
-            starts = torch.full((self.together, 1), self.start, device=device)
+            starts = torch.full((texts or self.together, 1), self.start, device=device)
             after = starts[1::2]  # these texts begin with the token drawn after `start`, without it
             after[:] = continue_texts(self.teacher, after, 1, **sampling, states=False).sequences[:, 1:]
             sampled = continue_texts(self.teacher, starts, options.sample_length, **sampling, states=self.states)
@@ -259,7 +281,7 @@ def development_batches(teacher: torch.nn.Module, tokenizer, options: HealOption
     def sample() -> torch.Tensor:
         start = start_token(tokenizer, teacher.config)
         stream = TeacherSamples(teacher, start=start, pad=tokenizer.pad_token_id, options=options, states=False)
-        return stream.sample(DEVELOPMENT_GROUP)[0][: options.dev_size]
+        return stream.sample(DEVELOPMENT_GROUP, options.dev_size)[0]
 
     ids = sampled_by_main_process(sample, (options.dev_size, options.sample_length), options)
     return [

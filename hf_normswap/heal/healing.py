@@ -104,6 +104,8 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     if head_of_config(models.student.config) == "causal-lm":
         width, parameters = models.student.config.hidden_size, layer_parameters(models.student)
         options = options.scaled(width, parameters, tokens_per_text=_tokens_per_text(texts, options))
+    if isinstance(texts.train, TeacherSamples):
+        texts = replace(texts, train=texts.train.planned(options))
     if sharded(options.sharding) and isinstance(texts.train, TeacherSamples):  # before the teacher is sharded
         texts = replace(texts, train=sampled_ahead(texts.train, options.max_steps * options.batch_size, options))
     main = is_main_process()
