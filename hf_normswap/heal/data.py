@@ -136,7 +136,7 @@ def sampled_together(teacher: torch.nn.Module, options: HealOptions | None = Non
     accelerator, whose decoding steps wait on Python. On a CPU, at most as many as give a decoding step the work of
     SmolLM2-135M's 256 texts (texts x parameters; its groups of 64 sample a text 1.1 to 1.4 times slower), in powers of
     two from 64 to 1024, since a smaller model's steps wait on Python more than on arithmetic; where `options` plan
-    their steps, as few as cover the texts training reads (`stream_reads`) in that many groups, so that the last group
+    their steps, as few as cover the texts training reads (`_stream_reads`) in that many groups, so that the last group
     samples no texts that go unread (measured: docs/experiments/healing.md)."""
     if compute_device(teacher).type != "cpu":
         return 1024
@@ -144,12 +144,12 @@ def sampled_together(teacher: torch.nn.Module, options: HealOptions | None = Non
     most = min(1024, max(64, 2 ** int(math.log2(CPU_SAMPLING_WORK / parameters))))
     if options is None or options.max_steps is None:
         return most
-    reads = stream_reads(options)
+    reads = _stream_reads(options)
     groups = next(count for count in itertools.count(1) if most * _readings(count, options.sample_reads) >= reads)
     return math.ceil(reads / _readings(groups, options.sample_reads))
 
 
-def stream_reads(options: HealOptions) -> int:
+def _stream_reads(options: HealOptions) -> int:
     """The texts one process's training reads from a stream: its steps' batches and the next, which the data loader
     reads ahead to see whether the stream has ended."""
     return (options.max_steps + 1) * options.batch_size
@@ -168,14 +168,14 @@ DEVELOPMENT_GROUP = 2**31 - 1  # the seed of the development texts' group, which
 class TeacherSamples(torch.utils.data.IterableDataset):
     """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`,
     `sampled_together` at a time; each group seeded by its index (the global generator is left as it was), so that a
-    run can be reproduced whatever its process count. Each text is read `sample_reads` times: a
-    group's first reading, then the earlier groups' next readings, each in a seeded order. Every second text is sampled
-    without the token `start`, from a first token drawn after it, so that the student learns both ways a text reaches
-    the model: after BOS (a chat template) and without it (a tokenizer that adds none). With `states`, each text
-    comes with the states its sampling computed (`TEACHER_STATES`: boundaries x length x hidden), which are the
-    teacher's states on it, so that training need not run the teacher again. The groups that hold the texts the
-    layers' fit reads (the first `reconstruct_sequences`, with `reconstruct_steps`) are kept until the stream has
-    read them for the last time, so that training reads them again without sampling them again."""
+    run can be reproduced whatever its process count. Each text is read `sample_reads` times: a group's first reading,
+    then the earlier groups' next readings, each in a seeded order. Every second text is sampled without the token
+    `start`, from a first token drawn after it, so that the student learns both ways a text reaches the model: after
+    BOS (a chat template) and without it (a tokenizer that adds none). With `states`, each text comes with the states
+    its sampling computed (`TEACHER_STATES`: boundaries x length x hidden), which are the teacher's states on it, so
+    that training need not run the teacher again. The groups that hold the texts the layers' fit reads (the first
+    `reconstruct_sequences`, with `reconstruct_steps`) are kept until the stream has read them for the last time, so
+    that training reads them again without sampling them again."""
 
     def __init__(self, teacher: torch.nn.Module, start: int, pad: int | None, options: HealOptions, states: bool):
         self.teacher, self.start, self.pad, self.options, self.states = teacher, start, pad, options, states
