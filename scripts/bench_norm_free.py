@@ -8,6 +8,11 @@ variant's (target: within 1e-5 of their largest magnitude).
 
     python scripts/bench_norm_free.py MODEL [--max-tokens N] [--swap-schedule S] [--learning-rate X] [--json F]
     python scripts/bench_norm_free.py MODEL --removal-costs
+    python scripts/bench_norm_free.py MODEL --fold-norm-weights
+
+`--fold-norm-weights` heals nothing: it converts with the norms kept and their gains folded into the matrices that
+read them, and compares that variant's logits on the texts with the source's, and its export's with the variant's
+(target: within 1e-5 of their largest magnitude).
 
 `--removal-costs` heals nothing: on 32 of the texts it measures the converted variant's KL with the norms given back
 (heal's NormRemoval) but for one layer's, for each layer, and with every norm kept at a share k, as a staged healing
@@ -49,17 +54,17 @@ def cross_entropy(model: torch.nn.Module, batches: list[dict]) -> float:
 
 
 @torch.no_grad()
-def export_difference(variant: torch.nn.Module, native: torch.nn.Module, batches: list[dict]) -> float:
-    """The largest |logit difference| of `native` from `variant` over `batches`, over the variant's largest |logit|
-    (NaN where the variant's logits are not finite)."""
+def relative_difference(expected: torch.nn.Module, model: torch.nn.Module, batches: list[dict]) -> float:
+    """The largest |logit difference| of `model` from `expected` over `batches`, over the expected largest |logit|
+    (NaN where the expected logits are not finite)."""
     difference = largest = 0.0
     for batch in batches:
-        expected, logits = variant.eval()(**batch).logits, native.eval()(**batch).logits
-        if not expected.isfinite().all():
+        expected_logits, logits = expected.eval()(**batch).logits, model.eval()(**batch).logits
+        if not expected_logits.isfinite().all():
             return float("nan")
         difference, largest = (
-            max(difference, (logits - expected).abs().max().item()),
-            max(largest, expected.abs().max().item()),
+            max(difference, (logits - expected_logits).abs().max().item()),
+            max(largest, expected_logits.abs().max().item()),
         )
     return difference / largest
 
@@ -107,10 +112,24 @@ def bench(model: str, work: Path, costs_only: bool = False, **heal_options) -> d
     native = AutoModelForCausalLM.from_pretrained(work / "native", dtype=torch.float32)
     row["export"] = {
         "class": type(native).__name__,
-        "relative_difference": export_difference(student, native, batches),
+        "relative_difference": relative_difference(student, native, batches),
     }
     row["seconds"] = seconds
     return row
+
+
+def folded(model: str, work: Path) -> dict:
+    """MODEL converted with `--fold-norm-weights`: its logits against the source's, and its export's against its."""
+    source = shipped_model(model)
+    quiet = dict(log=lambda line: None)
+    convert_checkpoint(source, str(work / "folded"), fold_norm_weights=True, head="causal-lm", **quiet)
+    export_native(str(work / "folded"), str(work / "native"), **quiet)
+    batches = held_out_texts(source, work / "folded")
+    teacher = load_unswapped(source, head="causal-lm")
+    variant = HEAD_CLASSES["causal-lm"].from_pretrained(work / "folded")
+    native = AutoModelForCausalLM.from_pretrained(work / "native", dtype=torch.float32)
+    export = {"class": type(native).__name__, "relative_difference": relative_difference(variant, native, batches)}
+    return {"folded": relative_difference(teacher, variant, batches), "export": export}
 
 
 def main() -> None:
@@ -122,8 +141,20 @@ def main() -> None:
     parser.add_argument(
         "--removal-costs", action="store_true", help="measure what removing each norm costs; no healing"
     )
+    parser.add_argument(
+        "--fold-norm-weights", action="store_true", help="measure the gains folded, and the export; no healing"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.fold_norm_weights:
+        with tempfile.TemporaryDirectory() as folder:
+            row = folded(args.model, Path(folder))
+        print(f"{args.model} --fold-norm-weights: logits within {row['folded']:.2e} of their largest (target 1e-5)")
+        export = row["export"]
+        print(f"export: {export['class']}, logits within {export['relative_difference']:.2e} of the variant's largest")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"model": args.model, **row}, indent=1) + "\n")
+        return
     rate = _matrix_product_rate()
     print(f"this CPU's float32 matrix products: {rate / 1e9:.0f} GFLOP/s", flush=True)
     with tempfile.TemporaryDirectory() as folder:
