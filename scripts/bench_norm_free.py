@@ -118,7 +118,7 @@ def bench(model: str, work: Path, costs_only: bool = False, **heal_options) -> d
     return row
 
 
-def folded(model: str, work: Path) -> dict:
+def folded_differences(model: str, work: Path) -> dict:
     """MODEL converted with `--fold-norm-weights`: its logits against the source's, and its export's against its."""
     source = shipped_model(model)
     quiet = dict(log=lambda line: None)
@@ -146,9 +146,12 @@ def main() -> None:
     )
     parser.add_argument("--json")
     args = parser.parse_args()
+    healing = (args.max_tokens, args.swap_schedule, args.learning_rate)
+    if args.fold_norm_weights and (args.removal_costs or any(value is not None for value in healing)):
+        parser.error("--fold-norm-weights heals nothing: give it without the healing options or --removal-costs")
     if args.fold_norm_weights:
         with tempfile.TemporaryDirectory() as folder:
-            row = folded(args.model, Path(folder))
+            row = folded_differences(args.model, Path(folder))
         print(f"{args.model} --fold-norm-weights: logits within {row['folded']:.2e} of their largest (target 1e-5)")
         export = row["export"]
         print(f"export: {export['class']}, logits within {export['relative_difference']:.2e} of the variant's largest")

@@ -365,7 +365,7 @@ def test_teacher_samples_are_distinct(llama):
     assert all(len(row["input_ids"]) == 10 for row in rows)
     torch.manual_seed(0)  # the first group's seed: every second text sampled without BOS, from a token drawn after it
     sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([InverseCdfSampling(1.0)]))  # never EOS
-    starts = torch.full((sampled_together(teacher), 1), tokenizer.bos_token_id)
+    starts = torch.full((12, 1), tokenizer.bos_token_id)  # one group of the 12 texts
     after = starts[1::2]
     first = dict(min_new_tokens=1, max_new_tokens=1)
     after[:] = teacher.generate(after, attention_mask=torch.ones_like(after), **first, **sampling)[:, 1:]
@@ -373,13 +373,16 @@ def test_teacher_samples_are_distinct(llama):
         starts, attention_mask=torch.ones_like(starts), max_new_tokens=10, min_new_tokens=10, **sampling
     ).tolist()
     texts = rows["input_ids"]
-    assert texts == [text[:-1] for text in sampled[:12]]
+    assert texts == [text[:-1] for text in sampled]
     assert {text[0] == tokenizer.bos_token_id for text in texts[::2]} == {True}
     assert len({text[0] for text in texts[1::2]}) > 1
     stream = iter(teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_length=10, batch_size=5)))
     count = sampled_together(teacher) + 8  # past the first seeded group
     streamed = [tuple(next(stream)["input_ids"]) for _ in range(count)]
-    assert len(set(streamed)) == count and streamed[:12] == [tuple(row["input_ids"]) for row in rows]
+    assert len(set(streamed)) == count
+    as_read = HealOptions(data="teacher", sample_length=10, max_steps=1, batch_size=6)  # reads 12: one group of 12
+    streamed = itertools.islice(teacher_samples(teacher, tokenizer, as_read), 12)
+    assert [row["input_ids"] for row in streamed] == texts
 
 
 def test_texts_sampled_ahead_are_those_the_stream_reads_in_its_order(llama):
@@ -561,8 +564,8 @@ def test_teacher_samples_read_again(llama, monkeypatch):
 
 def test_a_smaller_teacher_samples_more_texts_a_group_on_a_cpu():
     """On a CPU a group holds at most SmolLM2-135M's 256 texts x parameters a decoding step, in powers of two, 64 to
-    1024; with planned steps, as few as cover the texts training reads (its steps' batches and the one read ahead) in
-    that many groups, each group's texts read `sample_reads` times."""
+    1024; where the texts a healing reads are known (`sample_count`, else its steps' batches and the one read ahead),
+    as few as cover them in that many groups, each group's texts read `sample_reads` times."""
     expected = {134_515_008: 256, 10**9: 64, 134_515_008 * 3: 64, 134_515_008 // 4: 1024, 258_112: 1024}
     for parameters, texts in expected.items():
         teacher = torch.nn.Linear(parameters, 1, bias=False, device="meta")  # the meta device computes on a CPU
@@ -572,16 +575,32 @@ def test_a_smaller_teacher_samples_more_texts_a_group_on_a_cpu():
     for (steps, batch, reads), texts in planned.items():  # 808 reads: 4 groups of 202; 2 reads: 3 groups, 5 readings
         options = HealOptions(data="teacher", max_steps=steps, batch_size=batch, sample_reads=reads)
         assert sampled_together(smollm2, options) == texts
+    for steps in (None, 100):  # texts sampled once: 1,030 in 5 groups, whatever the steps
+        options = HealOptions(data="teacher", sample_count=1030, max_steps=steps)
+        assert sampled_together(smollm2, options) == 206
 
 
 def test_a_healing_samples_the_texts_it_reads(llama, monkeypatch):
-    """A healing on the teacher's text samples its steps' texts and the batch read ahead in one group, no more."""
+    """A healing on the teacher's text samples its steps' texts and the batch read ahead in one group, no more (on a
+    CPU: an accelerator samples 1,024 texts a group)."""
     groups, reads, sample, read = [], [], TeacherSamples.sample, TeacherSamples._read
-    monkeypatch.setattr(TeacherSamples, "sample", lambda *args: groups.append(len((out := sample(*args))[0])) or out)
-    monkeypatch.setattr(TeacherSamples, "_read", lambda *args: (reads.append(1) or row for row in read(*args)))
+
+    def counted_sample(*args, **kwargs):
+        sampled = sample(*args, **kwargs)
+        groups.append(len(sampled[0]))
+        return sampled
+
+    def counted_read(*args, **kwargs):
+        for row in read(*args, **kwargs):
+            reads.append(1)
+            yield row
+
+    monkeypatch.setattr(TeacherSamples, "sample", counted_sample)
+    monkeypatch.setattr(TeacherSamples, "_read", counted_read)
     options = HEAL | dict(max_steps=3, batch_size=4, reconstruct_steps=0)
     report = heal_checkpoint(str(llama / "post"), str(llama / "sampled-as-read"), **options, data="teacher")
-    assert report["steps"] == 3 and groups == [16] and len(reads) == 16  # (3 + 1) x 4
+    group = 1024 if torch.accelerator.is_available() else 16  # (3 + 1) x 4
+    assert report["steps"] == 3 and groups == [group] and len(reads) == 16
 
 
 def test_teacher_samples_depend_on_no_batch_size(llama):

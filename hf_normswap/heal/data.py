@@ -135,30 +135,33 @@ def sampled_together(teacher: torch.nn.Module, options: HealOptions | None = Non
     """How many texts one seeded generation of `teacher` samples, whatever the process count: 1024 on an
     accelerator, whose decoding steps wait on Python. On a CPU, at most as many as give a decoding step the work of
     SmolLM2-135M's 256 texts (texts x parameters; its groups of 64 sample a text 1.1 to 1.4 times slower), in powers of
-    two from 64 to 1024, since a smaller model's steps wait on Python more than on arithmetic; where `options` plan
-    their steps, as few as cover the texts training reads (`_stream_reads`) in that many groups, so that the last group
-    samples no texts that go unread (measured: docs/experiments/healing.md)."""
+    two from 64 to 1024, since a smaller model's steps wait on Python more than on arithmetic; where `options` say how
+    many texts the healing reads (`_texts_read`), as few as cover them in that many groups, so that fewer than one
+    text a group goes unread (measured: docs/experiments/healing.md)."""
     if compute_device(teacher).type != "cpu":
         return 1024
     parameters = sum(parameter.numel() for parameter in teacher.parameters())
     most = min(1024, max(64, 2 ** int(math.log2(CPU_SAMPLING_WORK / parameters))))
-    if options is None or options.max_steps is None:
+    texts = None if options is None else _texts_read(options)
+    if texts is None:
         return most
-    reads = _stream_reads(options)
-    groups = next(count for count in itertools.count(1) if most * _readings(count, options.sample_reads) >= reads)
-    return math.ceil(reads / _readings(groups, options.sample_reads))
+    reads = options.sample_reads
+    groups = next(count for count in itertools.count(1) if most * _group_readings(count, reads) >= texts)
+    return math.ceil(texts / _group_readings(groups, reads))
 
 
-def _stream_reads(options: HealOptions) -> int:
-    """The texts one process's training reads from a stream: its steps' batches and the next, which the data loader
-    reads ahead to see whether the stream has ended."""
-    return (options.max_steps + 1) * options.batch_size
+def _texts_read(options: HealOptions) -> int | None:
+    """The texts a healing reads from the teacher's samples: `sample_count`, else its steps' batches and the one the
+    data loader reads ahead to see whether the stream has ended (None before the steps are set)."""
+    if options.sample_count is not None:
+        return options.sample_count
+    return None if options.max_steps is None else (options.max_steps + 1) * options.batch_size
 
 
-def _readings(groups: int, reads: int) -> int:
-    """How many texts of a group the stream has read once it has sampled `groups`: each group once at its first
-    reading, and once more at each of the next `reads` - 1 groups' (`TeacherSamples`)."""
-    return sum(min(group, reads) for group in range(1, groups + 1))
+def _group_readings(groups: int, sample_reads: int) -> int:
+    """How many group readings the stream has made once it has sampled `groups`: each group's first, and one more of
+    each of the `sample_reads` - 1 groups before it (`TeacherSamples`)."""
+    return sum(min(group, sample_reads) for group in range(1, groups + 1))
 
 
 TEACHER_STATES = "teacher_hidden_states"  # a sampled text's key: the teacher's states at every boundary
@@ -224,7 +227,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         options, device = self.options, compute_device(self.teacher)
         sampling = dict(temperature=options.sample_temperature, pad=self.pad)
         with seeded(self.teacher, group):
-            starts = torch.full((texts or self.together, 1), self.start, device=device)
+            starts = torch.full((self.together if texts is None else texts, 1), self.start, device=device)
             after = starts[1::2]  # these texts begin with the token drawn after `start`, without it
             after[:] = continue_texts(self.teacher, after, 1, **sampling, states=False).sequences[:, 1:]
             sampled = continue_texts(self.teacher, starts, options.sample_length, **sampling, states=self.states)
