@@ -400,9 +400,8 @@ def test_texts_sampled_ahead_are_those_the_stream_reads_in_its_order(llama):
     assert [row["input_ids"] for row in ahead] == [row["input_ids"] for row in itertools.islice(fresh, count)]
     first = [row["input_ids"] for row in itertools.islice(fresh.first_readings(), 16)]
     assert [row["input_ids"] for row in ahead.first_readings()] == first
-    assert (
-        len({tuple(row) for row in ahead.rows.tolist()}) == count - 8
-    )  # the first group's second reading after the second's
+    distinct = {tuple(row) for row in ahead.rows.tolist()}
+    assert len(distinct) == count - 8  # the first group's second reading after the second's
 
 
 def test_sampled_texts_start_from_bos_else_eos_else_the_configs(llama):

@@ -124,10 +124,8 @@ def test_norm_free_mistral_and_qwen_export_as_their_own_classes_which_transforme
     variant.config.first_position_scales = None
     variant.save_pretrained(tmp_path / "none")
     classes = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-    assert (
-        export_native(str(tmp_path / "none"), str(tmp_path / "native"), **QUIET)["architecture"]
-        == (classes[model_type])
-    )
+    exported = export_native(str(tmp_path / "none"), str(tmp_path / "native"), **QUIET)
+    assert exported["architecture"] == classes[model_type]
     native = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
     assert native.config.sliding_window == 4 and native.config.rms_norm_eps == CONSTANT_NORM_EPS
     if model_type == "qwen3":

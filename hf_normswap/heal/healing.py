@@ -105,9 +105,10 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         width, parameters = models.student.config.hidden_size, layer_parameters(models.student)
         options = options.scaled(width, parameters, tokens_per_text=_tokens_per_text(texts, options))
     if isinstance(texts.train, TeacherSamples):
-        texts = replace(texts, train=texts.train.planned(options))
-    if sharded(options.sharding) and isinstance(texts.train, TeacherSamples):  # before the teacher is sharded
-        texts = replace(texts, train=sampled_ahead(texts.train, options.max_steps * options.batch_size, options))
+        train = texts.train.planned(options)
+        if sharded(options.sharding):  # sampled before the teacher is sharded
+            train = sampled_ahead(train, options.max_steps * options.batch_size, options)
+        texts = replace(texts, train=train)
     main = is_main_process()
     fit = None
     if options.reconstruct_steps:  # the fit's texts checked by every process; the main one fits, before sharding
