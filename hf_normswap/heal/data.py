@@ -235,7 +235,11 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         if not self.states:
             return ids, None
         steps = sampled.hidden_states  # per decoding step, per boundary: texts x new tokens x hidden
-        return ids, torch.stack([torch.cat(boundary, 1) for boundary in zip(*steps)], 1).cpu()
+        first = steps[0][0]
+        states = first.new_empty(len(ids), len(steps[0]), ids.shape[1], first.shape[-1])
+        for boundary, by_step in enumerate(zip(*steps)):
+            torch.cat(by_step, 1, out=states[:, boundary])  # one copy, into place
+        return ids, states.cpu()
 
 
 class SampledTexts(torch.utils.data.IterableDataset):
