@@ -235,8 +235,8 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         if not self.states:
             return ids, None
         steps = sampled.hidden_states  # per decoding step, per boundary: texts x new tokens x hidden
-        first = steps[0][0]
-        states = first.new_empty(len(ids), len(steps[0]), ids.shape[1], first.shape[-1])
+        first, positions = steps[0][0], sum(step[0].shape[1] for step in steps)
+        states = first.new_empty(len(first), len(steps[0]), positions, first.shape[-1])
         for boundary, by_step in enumerate(zip(*steps)):
             torch.cat(by_step, 1, out=states[:, boundary])  # one copy, into place
         return ids, states.cpu()

@@ -11,31 +11,22 @@ from ..devices import compute_device
 
 class InverseCdfSampling(LogitsProcessor):
     """Draws each text's next token from softmax(scores / `temperature`), the tokens `never` left out (those it
-    scores), by its inverse distribution function (one uniform draw a text), then scores that token above every
-    other, so that greedy decoding takes it. The same distribution as `generate`'s sampling, whose multinomial draws
-    an exponential for every token of the vocabulary: on a CPU that took longer than the decoding step's matrix
-    products (docs/experiments/healing.md). The distribution function is summed in float64 over blocks of `block`
-    tokens, then within the block drawn, so that each token's probability is exact to float64's rounding."""
-
-    block = 256
+    scores), by its inverse distribution function (one uniform draw a text), then leaves that token alone finite, so
+    that greedy decoding takes it. The same distribution as `generate`'s sampling, whose multinomial draws an
+    exponential for every token of the vocabulary: on a CPU that took longer than the decoding step's matrix
+    products, and `min_new_tokens`' copies of the scores a sixth of a step of 256 texts
+    (docs/experiments/healing.md)."""
 
     def __init__(self, temperature: float, never: tuple[int, ...] = ()):
         self.temperature, self.never = temperature, list(never)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        texts, vocabulary = scores.shape
         weights = scores.float() / self.temperature
-        weights[:, [token for token in self.never if 0 <= token < vocabulary]] = -math.inf  # ids it scores
-        weights = weights.sub_(weights.amax(-1, keepdim=True)).exp_()  # each token's probability, times a constant
-        padding = -vocabulary % self.block
-        blocks = (torch.nn.functional.pad(weights, (0, padding)) if padding else weights).view(texts, -1, self.block)
-        ends = torch.nn.functional.pad(blocks.sum(-1, dtype=torch.float64).cumsum(-1), (1, 0))  # 0, then each block's
-        drawn = (1 - torch.rand(texts, 1, device=scores.device, dtype=torch.float64)) * ends[:, -1:]  # in (0, total]
-        block = (torch.searchsorted(ends, drawn) - 1).clamp(0, blocks.shape[1] - 1)  # ends[block] < drawn <= next
-        within = blocks.gather(1, block[:, :, None].expand(-1, -1, self.block))[:, 0].cumsum(-1, dtype=torch.float64)
-        rest = (drawn - ends.gather(-1, block)).minimum(within[:, -1:])  # > 0: the token found has probability > 0
-        tokens = block * self.block + torch.searchsorted(within, rest)
-        return weights.scatter_(-1, tokens, 2.0)  # every other token's weight is at most 1
+        weights[:, [token for token in self.never if 0 <= token < weights.shape[-1]]] = -math.inf  # ids it scores
+        cumulative = torch.softmax(weights, -1).cumsum(-1, dtype=torch.float64)
+        drawn = (1 - torch.rand(len(scores), 1, device=scores.device, dtype=torch.float64)) * cumulative[:, -1:]
+        tokens = torch.searchsorted(cumulative, drawn).clamp_max(scores.shape[-1] - 1)  # in (0, total]: p > 0
+        return weights.fill_(-math.inf).scatter_(-1, tokens, 0.0)
 
 
 def start_token(tokenizer, config) -> int | None:
