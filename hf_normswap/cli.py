@@ -127,8 +127,8 @@ def _add_export(commands) -> None:
         help="write a NormSwap checkpoint as its native Transformers classes",
         description="Writes SOURCE as the Transformers class of the checkpoint it was converted from "
         "(conversion.json) where that class holds its configuration, else as the first native class that does; a "
-        "norm-free model with norms that divide by a constant. Otherwise it names the fields that block it and writes "
-        "nothing.",
+        "norm-free model with norms that divide by a constant; with SOURCE's conversion.json, for its card (push). "
+        "Otherwise it names the fields that block it and writes nothing.",
     )
     parser.add_argument("source", help="NormSwap checkpoint folder or Hub id")
     parser.add_argument("output", help="folder to write")
@@ -290,7 +290,7 @@ def _run_compare(args) -> None:
 
 def _add_push(commands) -> None:
     parser = commands.add_parser("push", help="upload a NormSwap variant to the Hub with its model card")
-    parser.add_argument("folder", help="NormSwap checkpoint folder")
+    parser.add_argument("folder", help="NormSwap checkpoint folder, or one export-native wrote")
     parser.add_argument("--repo-id", required=True, help="user/name on the Hub")
     parser.add_argument("--private", action="store_true")
     parser.add_argument("--revision", help="branch to push to (created if missing)")

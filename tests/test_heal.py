@@ -11,6 +11,7 @@ from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.compare.report import collapse_report_lines as report_lines
 from hf_normswap.compare.report import summarize_collapse as summarize_runs
+from hf_normswap.heal.data import load_texts
 from hf_normswap.heal.options import HealError
 from hf_normswap.model import REMOTE_CODE_FILES
 from hf_normswap.model.modeling_normswap import AUTO_MAP
@@ -93,6 +94,18 @@ def test_healing_reduces_distance(variant, objective):
             healed(**batch).last_hidden_state, teacher(**batch).last_hidden_state, dim=-1
         )
     assert cosine[batch["attention_mask"].bool()].mean().item() > before["token_cosine"] + 0.03
+
+
+def test_a_budget_in_tokens_sets_the_steps_of_any_student(variant, tmp_path):
+    """An encoder's budget in tokens: as many whole steps of `batch_size` texts as the training split's mean length
+    (over its first 1,024 texts) fills."""
+    tokenizer = AutoTokenizer.from_pretrained(variant / "pre")
+    texts = load_texts(str(variant / "text.txt"))[0]["text"][:1024]
+    mean = sum(len(tokenizer(text)["input_ids"]) for text in texts) / len(texts)
+    options = dict(HEAL, max_steps=None, max_tokens=1000, batch_size=4, data=str(variant / "text.txt"))
+    report = heal_checkpoint(str(variant / "pre"), str(tmp_path / "healed"), **options)
+    assert report["steps"] == report["budget"]["steps"] == round(1000 / (4 * mean)) > 1
+    assert report["budget"]["tokens"] == 1000
 
 
 def test_heal_cli_bad_input(variant, tmp_path, capsys):

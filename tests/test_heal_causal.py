@@ -825,6 +825,54 @@ def test_the_development_texts_stop_a_healing_that_no_longer_improves(tmp_path, 
     assert improving["budget"]["stopped_at"] is None and improving["steps"] == 20
 
 
+def test_an_interrupted_causal_healing_resumes_to_where_the_whole_one_stops(tmp_path, llama, monkeypatch):
+    """A causal LM's healing with the teacher's texts, the layers' fit and the stop on the development texts (measured
+    every step; with patience 3 the flat KL of a rate that moves nothing stops it at step 4), interrupted in step 4
+    after the checkpoint of step 2: resumed, it stops at step 4 with the development figures of steps 1 and 2 read
+    back from beside the checkpoint, and reports what the whole healing does within 1e-5."""
+    from hf_normswap.heal import healing
+
+    options = {**HEAL, "max_steps": 10, "learning_rate": 1e-12, "stop_patience": 3, "dev_size": 16}
+    options |= {"reconstruct_steps": 2, "reconstruct_sequences": 16}
+    whole = heal_checkpoint(str(llama / "post"), str(tmp_path / "whole"), **options)
+    assert whole["budget"]["stopped_at"] == 4 and whole["reconstruction"]["steps"] == 2
+    original = healing.HealTrainer
+
+    class Interrupted(original):
+        def training_step(self, *args, **kwargs):
+            if self.state.global_step == 3:  # after the checkpoint of step 2
+                raise KeyboardInterrupt
+            return super().training_step(*args, **kwargs)
+
+    resumable = {**options, "checkpoint_dir": str(tmp_path / "checkpoints")}
+    monkeypatch.setattr(healing, "HealTrainer", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        heal_checkpoint(str(llama / "post"), str(tmp_path / "resumed"), **resumable)
+    monkeypatch.setattr(healing, "HealTrainer", original)
+    assert json.loads((tmp_path / "checkpoints" / "development_stop.json").read_text())["history"][-1]["step"] == 2
+    resumed = heal_checkpoint(str(llama / "post"), str(tmp_path / "resumed"), **resumable)
+    assert resumed["resumed"] and resumed["budget"]["stopped_at"] == 4 and resumed["steps"] == 4
+    assert resumed["tokens"] == whole["tokens"] == 4 * 8 * 64
+    ours, theirs = resumed["budget"]["development_kl"], whole["budget"]["development_kl"]
+    assert [entry["step"] for entry in ours] == [entry["step"] for entry in theirs] == [1, 2, 3, 4]
+    for a, b in zip(ours, theirs):
+        assert a["kl"] == pytest.approx(b["kl"], abs=1e-5)
+    for a, b in zip(resumed["history"] + resumed["after"], whole["history"] + whole["after"]):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert resumed["next_token"]["after"]["kl"] == pytest.approx(whole["next_token"]["after"]["kl"], abs=1e-5)
+    fits = [torch.tensor(report["reconstruction"]["layer_errors"]) for report in (resumed, whole)]
+    torch.testing.assert_close(*fits, rtol=0, atol=1e-7)  # the layers fitted again, alike
+
+
+def test_a_budget_in_tokens_from_the_command_line(tmp_path, llama):
+    """`--max-tokens 2048` on sampled texts of 64 tokens, 8 a step: 4 steps, the budget recorded in heal.json."""
+    options = ["--eval-size", "16", "--stop-patience", "0", "--reconstruct-steps", "0", "--learning-rate", "1e-3"]
+    assert cli(["heal", str(llama / "post"), str(tmp_path / "healed"), "--max-tokens", "2048", *options]) == 0
+    report = json.loads((tmp_path / "healed" / "heal.json").read_text())
+    assert report["steps"] == report["budget"]["steps"] == 4 and report["budget"]["tokens"] == 2048
+    assert report["tokens"] == 4 * 8 * 64
+
+
 def test_a_time_budget_stops_training(tmp_path, llama):
     report = heal_checkpoint(str(llama / "post"), str(tmp_path / "timed"), **{**HEAL, "max_seconds": 1e-6})
     assert report["steps"] == 1 and report["budget"]["seconds"] == 1e-6 and report["budget"]["steps"] == 16
@@ -849,7 +897,8 @@ def test_card_reports_next_token_figures(healed_text):
     record = json.loads((folder / "conversion.json").read_text())
     effect, after = record["swap_effect"], record["heal"]["next_token"]["after"]
     assert f"top-1 agreement {effect['top1_agreement']:.3f}" in card.text
-    assert f"after healing, KL {after['kl']:.3f} nats per token" in card.text
+    held_out = record["heal"]["data"]["held_out_rows"]
+    assert f"after healing, on {held_out} held-out texts of sst2-sample, KL {after['kl']:.3f} nats" in card.text
     gap = after["cross_entropy_gap"]
     assert f", cross-entropy {gap:+.3f} nats per token from the source's (`heal.json`" in card.text
     tokens, rows = record["heal"]["tokens"], record["heal"]["data"]["train_rows"]

@@ -134,6 +134,8 @@ def test_norm_free_mistral_and_qwen_export_as_their_own_classes_which_transforme
         scale = query_key_scale(variant.config.norm_eps)
         assert 0.5 <= CONSTANT_NORM_EPS / scale**2 / variant.config.norm_eps <= 2
         assert torch.equal(attention.k_proj.weight, variant.model.layers[0].self_attn.k_proj.weight * scale)
+        card, _ = build_card(tmp_path / "none", "me/qwen3-none", base_model="me/qwen3", license="mit")
+        assert "Its query/key norms (each attention's `q_norm` and `k_norm`) stay norms." in str(card)
     input_ids = torch.randint(0, variant.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     expected = _logits(variant, input_ids)
     assert (_logits(native, input_ids) - expected).abs().max() <= 1e-5 * expected.abs().max()
@@ -234,6 +236,35 @@ def test_norm_free_card_says_what_was_removed_and_how_to_load_it_natively(norm_f
         f"{max(removed):.3g})"
     ) in str(card)
     assert "`hf-normswap export-native` writes it as its family's own class" in str(card)
+
+
+def test_a_healed_norm_free_export_uploads_with_a_card_of_its_own(norm_free, tmp_path):
+    """`push` takes a norm-free model `export-native` wrote: its card says it is a plain LlamaForCausalLM loaded
+    without remote code, what was removed, where the constant norms stay exact and what the healing reached; the
+    upload holds no NormSwap code."""
+    from hf_normswap.hub.push import prepare_upload
+
+    options = dict(max_steps=2, learning_rate=1e-3, stop_patience=0, eval_size=16, log=None)
+    heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "healed"), **options)
+    export_native(str(tmp_path / "healed"), str(tmp_path / "native"), **QUIET)
+    assert ConversionRecord.read(tmp_path / "native").heal["steps"] == 2  # what made it, healing included
+    upload = tmp_path / "upload"
+    upload.mkdir()
+    files = prepare_upload(tmp_path / "native", "me/llama-none", upload, base_model="me/llama", license="mit")
+    assert not any(name.endswith("_normswap.py") for name in files) and "conversion.json" in files
+    assert "heal.json" not in files and "tokenizer.json" in files
+    card = (upload / "README.md").read_text()
+    assert "written as Transformers' own `LlamaForCausalLM`: it loads without remote code" in card
+    assert (
+        'model = AutoModelForCausalLM.from_pretrained("me/llama-none")\n' in card and "trust_remote_code" not in card
+    )
+    assert "input norms of its 4 sublayers and the final norm were removed" in card
+    assert "Written as a plain `LlamaForCausalLM`, each removed norm is a norm of epsilon 2^40" in card
+    assert "Then healed (`hf-normswap heal`, objective kl, 2 steps, 1,024 tokens of text sampled" in card
+    assert "on 16 held-out texts of the SST-2 sample, KL" in card and "`heal.json`" not in card
+    assert "export-native`: `conversion.json` records what made it" in card and "Remote code" not in card
+    loaded = AutoModelForCausalLM.from_pretrained(upload)
+    assert type(loaded).__name__ == "LlamaForCausalLM"
 
 
 @pytest.mark.parametrize(
@@ -369,6 +400,35 @@ def test_the_development_stop_waits_for_the_stages_to_end(norm_free, tmp_path, v
     assert [stage["step"] for stage in stages] == [4, 7, 10, 20][: len(removed)]
     assert all(stage["kl"] >= 0 and math.isfinite(stage["cross_entropy_gap"]) for stage in stages)
     assert set(stages[0]["kl_by_position"]) == {"0", "1", "2-3", "4-15", "16-63"}  # 64 tokens a text
+
+
+def test_a_staged_healing_resumes_with_the_stages_measured_before(norm_free, tmp_path, monkeypatch):
+    """Interrupted in step 10 after the checkpoint of step 8, a staged healing resumes with the figures of the stages
+    gone by then (steps 4 and 7) read back from beside the checkpoint, and reports every stage as the whole one
+    does."""
+    from hf_normswap.heal import healing
+
+    options = dict(swap_schedule="stages", max_steps=20, learning_rate=3e-4, stop_patience=0, dev_size=16, log=None)
+    whole = heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "whole"), **options)
+    original = healing.HealTrainer
+
+    class Interrupted(original):
+        def training_step(self, *args, **kwargs):
+            if self.state.global_step == 9:  # after the checkpoint of step 8
+                raise KeyboardInterrupt
+            return super().training_step(*args, **kwargs)
+
+    resumable = dict(options, checkpoint_dir=str(tmp_path / "checkpoints"))
+    monkeypatch.setattr(healing, "HealTrainer", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "resumed"), **resumable)
+    monkeypatch.setattr(healing, "HealTrainer", original)
+    resumed = heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "resumed"), **resumable)
+    assert resumed["resumed"] and [stage["step"] for stage in resumed["norm_removal"]] == [4, 7, 10, 20]
+    for ours, theirs in zip(resumed["norm_removal"], whole["norm_removal"], strict=True):
+        assert ours["removed"] == theirs["removed"]
+        assert ours["kl"] == pytest.approx(theirs["kl"], abs=1e-5)
+        assert ours["cross_entropy_gap"] == pytest.approx(theirs["cross_entropy_gap"], abs=1e-5)
 
 
 def test_a_direct_healing_leaves_a_model_the_native_class_holds(norm_free, tmp_path):

@@ -222,7 +222,11 @@ def test_push_goes_through_the_hub_client(comparison, monkeypatch):
 @pytest.mark.parametrize(
     "make, arguments, message",
     [
-        ("bert", ["--repo-id", "me/x"], "not a NormSwap checkpoint (model_type 'bert')"),
+        (
+            "bert",
+            ["--repo-id", "me/x"],
+            "neither a NormSwap checkpoint nor one `export-native` wrote (model_type 'bert', no conversion.json)",
+        ),
         ("empty", ["--repo-id", "me/x"], "not a NormSwap checkpoint (no config.json)"),
         ("variant", ["--repo-id", "me/x"], "model card field 'base_model' is missing"),
         ("variant", ["--repo-id", "me/x", "--base-model", "me/b"], "model card field 'license' is missing"),

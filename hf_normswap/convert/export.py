@@ -123,9 +123,9 @@ def native_config(config: NormSwapConfig, head: str, own: str | None = None) -> 
     return family, fields.native_config(config)
 
 
-def _source_model_type(folder: Path) -> str | None:
-    """The model type of the checkpoint the NormSwap model in FOLDER was first converted from, where it records one."""
-    record = ConversionRecord.read(folder)
+def _source_model_type(record: ConversionRecord | None) -> str | None:
+    """The model type of the checkpoint a NormSwap model's conversion `record` was first converted from, where it
+    records one."""
     if record is None:
         return None
     source = [*record.lineage_records(), record][0].source
@@ -133,7 +133,8 @@ def _source_model_type(folder: Path) -> str | None:
 
 
 def export_native(source: str, output: str, *, overwrite: bool = False, log=print) -> dict:
-    """Writes the NormSwap checkpoint SOURCE as a native checkpoint (see `TARGETS`) in OUTPUT."""
+    """Writes the NormSwap checkpoint SOURCE as a native checkpoint (see `TARGETS`) in OUTPUT, with SOURCE's
+    conversion.json."""
     folder, _ = resolve_source(source)
     try:
         config = AutoConfig.from_pretrained(folder)
@@ -144,7 +145,8 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     head = head_of_config(config)
     norm_free = removes_norms(config)
     normed = constant_norm_config(config) if norm_free else config
-    family, target_config = native_config(normed, head, _source_model_type(Path(folder)))
+    record = ConversionRecord.read(folder)
+    family, target_config = native_config(normed, head, _source_model_type(record))
 
     model = HEAD_CLASSES[head].from_pretrained(folder)
     if norm_free:
@@ -167,6 +169,8 @@ def export_native(source: str, output: str, *, overwrite: bool = False, log=prin
     with output_folder(output=output, overwrite=overwrite) as staging:
         native.save_pretrained(staging)
         copy_companion_files(folder=Path(folder), destination=staging)
+        if record is not None:  # what made it, for its card (`push`) and for a conversion of it
+            record.write(staging)
     log(
         f"wrote {type(native).__name__} to {output}"
         + (f" (norm-free: norms of epsilon {normed.norm_eps:.0f} that divide by a constant)" if norm_free else "")

@@ -53,6 +53,7 @@ from .norm_removal import NormRemoval
 from .options import HealError, HealOptions
 from .reconstruction import reconstruct_layers, reconstruction_batches
 from .report import (
+    HEAL_PLOT,
     Budget,
     HealData,
     HealReport,
@@ -84,6 +85,10 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     """
     options = HealOptions(**with_sharding_section(options))
     check_output(output, overwrite)
+    if options.checkpoint_dir and not resumable(options.sharding):
+        raise HealError(
+            "checkpoint_dir is invalid with fsdp=True on CPU: the Trainer cannot resume a model sharded there"
+        )
     models = load_models(variant, options)
     gates = conversion_layer_gates(Path(variant), models.student.config)
     if options.swap_schedule == "direct" and removes_norms(models.student.config):
@@ -95,15 +100,13 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         )
     out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
     options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
-    if options.checkpoint_dir and not resumable(options.sharding):
-        raise HealError(
-            "checkpoint_dir is invalid with fsdp=True on CPU: the Trainer cannot resume a model sharded there"
-        )
     tokenizer = AutoTokenizer.from_pretrained(variant)
     texts = heal_texts(options=options, tokenizer=tokenizer, teacher=models.teacher)
     if head_of_config(models.student.config) == "causal-lm":
         width, parameters = models.student.config.hidden_size, layer_parameters(models.student)
         options = options.scaled(width, parameters, tokens_per_text=_tokens_per_text(texts, options))
+    elif options.max_steps is None:  # given in tokens
+        options = options.budgeted(_tokens_per_text(texts, options))
     if isinstance(texts.train, TeacherSamples):
         train = texts.train.planned(options)
         if sharded(options.sharding):  # sampled before the teacher is sharded
@@ -444,4 +447,4 @@ def _save(models: HealModels, source: Path, staging: Path, report: HealReport, m
         conversion.heal = asdict(report.lineage())
         conversion.write(staging)
     report.write(staging)
-    plot_history(report, staging / "heal.png")
+    plot_history(report, staging / HEAL_PLOT)

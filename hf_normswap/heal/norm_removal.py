@@ -16,21 +16,25 @@ measures the student as it starts) every k is 0. A first position's own divisors
 c on its input) are removed last, over the second half of the steps (c to 1), and the saved student has none.
 """
 
+from dataclasses import asdict
+
 import torch
 from torch import nn
-from transformers import TrainerCallback
 
 from .options import HealError
 from .report import NormRemovalStage
-from .trainer import DevelopmentTexts
+from .trainer import CheckpointedFigures, DevelopmentTexts
 
 
 NORM_FREE_SCHEDULES = ("gate", "layers", "stages")
 
 
-class NormRemoval(TrainerCallback):
+class NormRemoval(CheckpointedFigures):
     """Hooks on a norm-free model's stream readers that give back a share `kept` of each removed norm, in forward
-    order (per layer: attention, MLP; the final norm last), and the schedule that takes it away."""
+    order (per layer: attention, MLP; the final norm last), and the schedule that takes it away; the figures of each
+    stage kept beside the checkpoints."""
+
+    FILE = "norm_removal.json"
 
     def __init__(
         self,
@@ -99,6 +103,15 @@ class NormRemoval(TrainerCallback):
         kept, left = self._shares(step)
         gone = [name for group, name in enumerate(self.group_names) if not kept[self.groups == group].any()]
         return gone + (["first position's divisors"] if self.first_scales and left == 0 else [])
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.resumed(args, state)
+
+    def figures(self) -> dict:
+        return {"stages": [asdict(stage) for stage in self.stages]}
+
+    def restore(self, figures: dict, step: int) -> None:
+        self.stages = [NormRemovalStage(**stage) for stage in figures["stages"] if stage["step"] <= step]
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.set_step(state.global_step)

@@ -191,7 +191,8 @@ class HealOptions:
         default=None,
         metadata={
             "rules": (at_least(1, "a whole number, at least 1"),),
-            "help": f"training steps; {_by_head('max_steps')}; for a causal-LM student, those --max-tokens take",
+            "help": f"training steps; {_by_head('max_steps')}; for a causal-LM student, or with --max-tokens, those "
+            "the tokens take",
         },
     )
     max_tokens: int | None = field(
@@ -204,9 +205,10 @@ class HealOptions:
                     "give one budget, in tokens or in seconds, not max_seconds too",
                 ),
             ),
-            "help": "a causal-LM student's training tokens, as whole steps (sampled texts are --sample-length "
-            f"long); default: {CAUSAL_SCALING.tokens_by_parameters:.3g} / its parameters outside embeddings and "
-            f"head, at most {CAUSAL_SCALING.most_tokens:,}; --max-steps overrides it",
+            "help": "training tokens, as whole steps (sampled texts are --sample-length long, others counted on the "
+            f"first 1,024); default for a causal-LM student: {CAUSAL_SCALING.tokens_by_parameters:.3g} / its "
+            f"parameters outside embeddings and head, at most {CAUSAL_SCALING.most_tokens:,}; --max-steps overrides "
+            "it",
         },
     )
     max_seconds: float | None = field(
@@ -311,18 +313,26 @@ class HealOptions:
         `FITTED_DEFAULTS` where a causal LM's conversion was calibrated out of pre-LN (`out_of_pre_ln`); a causal LM's
         learning rate and steps are left to `scaled`."""
         defaults = dict(HEAD_DEFAULTS["causal-lm" if head == "causal-lm" else "other"])
+        if self.max_tokens is not None:  # the steps follow from the tokens (`budgeted`)
+            defaults.pop("max_steps", None)
         if self.reconstruct_steps is None:
             fits = head == "causal-lm" and out_of_pre_ln and self.swap_schedule == "direct" and not self.lora
             defaults["reconstruct_steps"] = FITTED_DEFAULTS["reconstruct_steps"] if fits else 0
         return replace(self, **{name: value for name, value in defaults.items() if getattr(self, name) is None})
 
+    def budgeted(self, tokens_per_text: float, default_tokens: int | None = None) -> "HealOptions":
+        """These options (`for_head`'s) with steps left open set by the training tokens, `max_tokens` or else
+        `default_tokens`, at `tokens_per_text` (whole steps, at least 1)."""
+        if self.max_steps is not None:
+            return self
+        tokens = self.max_tokens or default_tokens
+        return replace(self, max_steps=max(1, round(tokens / (self.batch_size * tokens_per_text))))
+
     def scaled(self, width: int, parameters: int, tokens_per_text: float) -> "HealOptions":
         """These options (`for_head`'s) with a causal LM's learning rate and steps left open set by `CAUSAL_SCALING`
         for a student of hidden size `width` and `parameters` outside embeddings and head, its steps those its tokens
         take at `tokens_per_text`."""
-        steps = self.max_steps
-        if steps is None:
-            tokens = self.max_tokens or CAUSAL_SCALING.tokens(parameters)
-            steps = max(1, round(tokens / (self.batch_size * tokens_per_text)))
-        learning_rate = self.learning_rate or CAUSAL_SCALING.learning_rate(width, bool(self.reconstruct_steps), steps)
-        return replace(self, learning_rate=learning_rate, max_steps=steps)
+        options = self.budgeted(tokens_per_text, CAUSAL_SCALING.tokens(parameters))
+        fitted = bool(options.reconstruct_steps)
+        learning_rate = options.learning_rate or CAUSAL_SCALING.learning_rate(width, fitted, options.max_steps)
+        return replace(options, learning_rate=learning_rate)

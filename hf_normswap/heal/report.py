@@ -175,8 +175,11 @@ class HealReport(JsonRecord):
         return line
 
 
+HEAL_PLOT = "heal.png"
+
+
 def plot_history(report: HealReport, path: Path) -> None:
-    """heal.png: the token cosine and the collapse figures of the final output along the healing, with the
+    """`HEAL_PLOT`: the token cosine and the collapse figures of the final output along the healing, with the
     teacher's collapse."""
     import matplotlib
 

@@ -124,7 +124,40 @@ def training_arguments(
     return launch_training_arguments(options.sharding, student, **arguments)
 
 
-class HealProbeCallback(TrainerCallback):
+class CheckpointedFigures(TrainerCallback):
+    """A callback whose figures go beside the Trainer's checkpoints (`FILE`) whenever it saves one, and are read back
+    (those of the steps until the checkpoint) when training resumes from one."""
+
+    FILE: str
+
+    def figures(self) -> dict:
+        raise NotImplementedError
+
+    def restore(self, figures: dict, step: int) -> None:
+        raise NotImplementedError
+
+    def resumed(self, args, state) -> bool:
+        """Whether training resumes from a checkpoint; if so, with this callback's figures read back."""
+        if state.global_step == 0:
+            return False
+        file = Path(args.output_dir) / self.FILE
+        if not file.exists():
+            raise HealError(
+                f"{file.parent}: resuming at step {state.global_step}, but the figures measured before it "
+                f"({self.FILE}) are missing (written by an older hf_normswap?); remove the folder to heal from the "
+                "start"
+            )
+        self.restore(json.loads(file.read_text()), state.global_step)
+        return True
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            written = Path(args.output_dir) / f".{self.FILE}"
+            written.write_text(json.dumps(self.figures()))
+            written.replace(Path(args.output_dir) / self.FILE)  # whole or not at all
+
+
+class HealProbeCallback(CheckpointedFigures):
     """Measures the student on the held-out batches as the Trainer trains it (sharded, on its device): when training
     begins (`before`, and from the same states `head_figures(student, before=True, states=...)`: `head_before`),
     then every `every` steps before the last, for the plot. Whenever the Trainer saves a checkpoint, its figures go
@@ -145,8 +178,7 @@ class HealProbeCallback(TrainerCallback):
         self.before, self.head_before, self.history = None, None, []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if state.global_step > 0:  # resumed: the figures measured until its checkpoint
-            self._read(Path(args.output_dir) / self.FILE, state.global_step)
+        if self.resumed(args, state):
             return
         with gathered(model, self.teacher):  # every process measures (a sharded student needs them all)
             states = student_states(model, self.batches)
@@ -160,22 +192,12 @@ class HealProbeCallback(TrainerCallback):
                 last = measure(model, self.batches, self.teacher_states)[-1]
             self.history.append({"step": state.global_step, **last})
 
-    def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            figures = {"before": self.before, "head_before": self.head_before, "history": self.history}
-            written = Path(args.output_dir) / f".{self.FILE}"
-            written.write_text(json.dumps(figures))
-            written.replace(Path(args.output_dir) / self.FILE)  # whole or not at all
+    def figures(self) -> dict:
+        return {"before": self.before, "head_before": self.head_before, "history": self.history}
 
-    def _read(self, file: Path, step: int) -> None:
-        if not file.exists():
-            raise HealError(
-                f"{file.parent}: resuming at step {step}, but the figures measured before it ({self.FILE}) are "
-                "missing (written by an older hf_normswap?); remove the folder to heal from the start"
-            )
-        saved = json.loads(file.read_text())
-        self.before, self.head_before = saved["before"], saved["head_before"]
-        self.history = [entry for entry in saved["history"] if entry["step"] <= step]
+    def restore(self, figures: dict, step: int) -> None:
+        self.before, self.head_before = figures["before"], figures["head_before"]
+        self.history = [entry for entry in figures["history"] if entry["step"] <= step]
 
 
 class DevelopmentTexts:
@@ -193,17 +215,27 @@ class DevelopmentTexts:
             return agreement(self.expected, next_token_log_probs(model, self.batches), self.batches)
 
 
-class DevelopmentStop(TrainerCallback):
+class DevelopmentStop(CheckpointedFigures):
     """Stops training once the student's next-token KL to the teacher on the development texts has not fallen
     `IMPROVEMENT` below its best for `patience` measurements, every `every` steps from `from_step` (where a gradual
     schedule has moved the student to its own function; before it the KL rises by design); the processes stop
-    together. `history` holds each measurement, `stopped_at` the step."""
+    together. `history` holds each measurement (kept beside the checkpoints), `stopped_at` the step."""
 
     IMPROVEMENT = 0.01
+    FILE = "development_stop.json"
 
     def __init__(self, development: DevelopmentTexts, every: int, patience: int, from_step: int = 0):
         self.development, self.every, self.patience, self.from_step = development, every, patience, from_step
         self.history, self.stopped_at = [], None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.resumed(args, state)
+
+    def figures(self) -> dict:
+        return {"history": self.history}
+
+    def restore(self, figures: dict, step: int) -> None:
+        self.history = [entry for entry in figures["history"] if entry["step"] <= step]
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         step = state.global_step

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from ..convert.branch_calibration import removes_norms
 from ..convert.calibration import CalibrationRecord
 from ..convert.converter import ConversionRecord, SourceRecord, SwapRecord
-from ..heal.report import HealData, HealLineage
+from ..heal.report import HEAL_PLOT, HealData, HealLineage, HealReport
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import NATIVE_AUTO_CLASSES, PIPELINE_TAGS, head_of_config
 from ..records import from_fields
@@ -26,9 +26,10 @@ def template_path() -> Path:
     return Path(str(resources.files("hf_normswap.model_cards") / TEMPLATE))
 
 
-def _card_data(folder: Path, repo_id: str, config, head: str, base_model: str | None, license: str | None, datasets):
+def _card_data(
+    folder: Path, repo_id: str, conversion, config, head: str, base_model: str | None, license: str | None, datasets
+) -> ModelCardData:
     record = folder / ConversionRecord.FILE
-    conversion = ConversionRecord.read(folder)
     source = conversion.source if conversion else None
     from_hub = source is not None and source.revision is not None  # a local source has no revision
     base_model = base_model or (source.id if from_hub else None)
@@ -39,7 +40,7 @@ def _card_data(folder: Path, repo_id: str, config, head: str, base_model: str | 
         why = _no_source(record, source, "the source's license") if not conversion else "the source's card gives none"
         raise ValueError(f"model card field 'license' is missing: {why}; pass --license")
     placement = config.norm_placement if isinstance(config.norm_placement, str) else "mix_ln"
-    return conversion, ModelCardData(
+    return ModelCardData(
         model_name=repo_id.split("/")[-1],
         library_name="transformers",
         base_model=base_model,
@@ -83,10 +84,14 @@ def _calibration_line(calibration: CalibrationRecord | None) -> str | None:
 def build_card(
     folder: Path, repo_id: str, *, base_model=None, license=None, datasets=None, variant=None
 ) -> tuple[ModelCard, list[str]]:
-    """The model card of the NormSwap checkpoint in `folder`, and the comparison plots it shows."""
-    config = AutoConfig.from_pretrained(folder)
-    head = head_of_config(config)
-    conversion, data = _card_data(folder, repo_id, config, head, base_model, license, datasets)
+    """The model card of the NormSwap checkpoint in `folder` (or of one `export-native` wrote as its family's own
+    class, with the NormSwap checkpoint's conversion.json), and the comparison plots it shows."""
+    native = AutoConfig.from_pretrained(folder)
+    conversion = ConversionRecord.read(folder)
+    exported = not isinstance(native, NormSwapConfig)
+    config = NormSwapConfig.from_dict(conversion.target_config) if exported else native
+    head = head_of_config(native)
+    data = _card_data(folder, repo_id, conversion, config, head, base_model, license, datasets)
     results, name = _comparison(folder, variant)
     plots = []
     if results and results["task"]["name"] in GLUE_TASKS:  # a model-index only for the real GLUE validation sets
@@ -105,8 +110,9 @@ def build_card(
         position=config.position_embedding_type,
         attention="causal" if config.is_causal else "bidirectional",
         auto_class=NATIVE_AUTO_CLASSES[head].__name__,
-        norm_free=_norm_free_line(config),
-        **_conversion_fields(conversion),
+        native_class=native.architectures[0] if exported else None,
+        norm_free=_norm_free_line(config, native.architectures[0] if exported else None),
+        **_conversion_fields(conversion, folder),
         comparison_intro=_comparison_intro(results, name) if results else None,
         comparison_table="\n".join(_comparison_rows(results)) if results else None,
         plots=plots,
@@ -132,8 +138,9 @@ def _eval_results(results: dict, name: str) -> list[EvalResult]:
     ]
 
 
-def _conversion_fields(conversion: ConversionRecord | None) -> dict:
-    """The template's fields that come from `conversion.json`: the swap, the calibration, the measurements."""
+def _conversion_fields(conversion: ConversionRecord | None, folder: Path) -> dict:
+    """The template's fields that come from `conversion.json`: the swap, the calibration, the measurements; the
+    healing's figures cited from `folder`'s files."""
     swap = conversion and conversion.swap
     measured = conversion and conversion.verification.measured
     logits = measured and measured.logits_max_abs_diff
@@ -152,7 +159,7 @@ def _conversion_fields(conversion: ConversionRecord | None) -> dict:
         measured_mode=measured.mode if measured else None,
         swapped=_swapped(swap) if swap else False,
         swap_effect=_swap_effect_line(conversion) if conversion else None,
-        healing=_healing_line(from_fields(HealLineage, heal) if heal else None),
+        healing=_healing_line(from_fields(HealLineage, heal) if heal else None, folder),
         dropped=", ".join((weights and weights.dropped) or []),
         initialized=", ".join((weights and weights.initialized) or []),
         untrained=", ".join(f"`{name}`" for name in (weights and weights.initialized_at_load) or []),
@@ -199,9 +206,9 @@ def _swap_effect_line(conversion: ConversionRecord) -> str | None:
     return line + "."
 
 
-def _healing_line(heal: HealLineage | None) -> str | None:
+def _healing_line(heal: HealLineage | None, folder: Path) -> str | None:
     """What healing did, in one sentence: the final output's token cosine to the source before and after, and a
-    causal LM's next-token figures after (`heal.json` holds them all)."""
+    causal LM's next-token figures after (`heal.json` holds them all, where `folder` has it)."""
     if not heal:
         return None
     line = (
@@ -211,30 +218,38 @@ def _healing_line(heal: HealLineage | None) -> str | None:
     )
     if heal.next_token:
         after = heal.next_token.after
+        held_out = "the SST-2 sample" if heal.data.sampling is not None else heal.data.name
         line += (
-            f"; after healing, KL {after['kl']:.3f} nats per token, top-1 agreement {after['top1_agreement']:.3f}, "
-            f"greedy agreement {after['greedy_agreement']:.3f}"
+            f"; after healing, on {heal.data.held_out_rows:,} held-out texts of {held_out}, KL {after['kl']:.3f} "
+            f"nats per token, top-1 agreement {after['top1_agreement']:.3f}, greedy agreement "
+            f"{after['greedy_agreement']:.3f}"
         )
         if after.get("cross_entropy_gap") is not None:
             line += f", cross-entropy {after['cross_entropy_gap']:+.3f} nats per token from the source's"
-    return line + " (`heal.json`, `heal.png`)."
+    cited = [f"`{name}`" for name in (HealReport.FILE, HEAL_PLOT) if (folder / name).exists()]
+    return line + (f" ({', '.join(cited)})." if cited else ".")
 
 
-def _norm_free_line(config) -> str | None:
-    """What a norm-free conversion removed, and how to load the model without remote code."""
+def _norm_free_line(config, native_class: str | None = None) -> str | None:
+    """What a norm-free conversion removed, and how it loads without remote code (`native_class`: how it does)."""
     if not isinstance(config, NormSwapConfig) or not removes_norms(config):
         return None
     rms = config.removed_norm_rms
     divided = (
         f", each dividing by the source's median stream RMS there ({min(rms):.3g} to {max(rms):.3g})" if rms else ""
     )
-    kept = " Its query/key norms stay." if config.qk_norm else ""
+    kept = " Its query/key norms (each attention's `q_norm` and `k_norm`) stay norms." if config.qk_norm else ""
+    native = (
+        f"Written as a plain `{native_class}`, each removed norm is a norm of epsilon 2^40 and gain 2^20, which "
+        "divides by a constant: exact in float32 while a token's stream RMS stays below about 4,700."
+        if native_class
+        else "`hf-normswap export-native` writes it as its family's own class (norms of epsilon 2^40 that divide by "
+        "a constant), which loads without remote code."
+    )
     return (
         f"**Norm-free.** No norm reads or writes the residual stream: the input norms of its "
         f"{2 * config.num_hidden_layers} sublayers and the final norm were removed{divided}, folded into the weights "
-        f"reading them; a fixed per-feature scale stands where the final norm was.{kept} `hf-normswap export-native` "
-        "writes it as its family's own class (norms of epsilon 2^40 that divide by a constant), which loads without "
-        "remote code."
+        f"reading them; a fixed per-feature scale stands where the final norm was.{kept} {native}"
     )
 
 

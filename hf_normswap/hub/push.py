@@ -11,7 +11,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
 from ..checkpoint import companion_files, output_folder, weight_files
 from ..convert.converter import ConversionRecord
-from ..heal.report import HealReport
+from ..heal.report import HEAL_PLOT, HealReport
 from ..model import REMOTE_CODE_FILES
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import NATIVE_AUTO_CLASSES
@@ -19,8 +19,8 @@ from .card import build_card
 
 
 def prepare_upload(folder: str | Path, repo_id: str, destination: Path, **card_options) -> list[str]:
-    """Writes into `destination` exactly what is uploaded: weights, config, code, tokenizer, sentence-transformers
-    modules, report, card."""
+    """Writes into `destination` exactly what is uploaded: weights, config, code (of a NormSwap checkpoint; one that
+    `export-native` wrote needs none), tokenizer, sentence-transformers modules, records, card."""
     folder = Path(folder)
     try:
         validate_repo_id(repo_id)
@@ -29,21 +29,25 @@ def prepare_upload(folder: str | Path, repo_id: str, destination: Path, **card_o
     if not (folder / "config.json").exists():
         raise ValueError(f"{folder}: not a NormSwap checkpoint (no config.json)")
     config = json.loads((folder / "config.json").read_text())
-    if config.get("model_type") != NormSwapConfig.model_type:
-        raise ValueError(f"{folder}: not a NormSwap checkpoint (model_type {config.get('model_type')!r})")
+    exported = config.get("model_type") != NormSwapConfig.model_type
+    if exported and not (folder / ConversionRecord.FILE).exists():
+        raise ValueError(
+            f"{folder}: neither a NormSwap checkpoint nor one `export-native` wrote (model_type "
+            f"{config.get('model_type')!r}, no {ConversionRecord.FILE})"
+        )
     missing = [name for name in REMOTE_CODE_FILES if not (folder / name).exists()]
-    if missing or set(config.get("auto_map", {})) != {
-        "AutoConfig",
-        *(a.__name__ for a in NATIVE_AUTO_CLASSES.values()),
-    }:
+    if not exported and (
+        missing
+        or set(config.get("auto_map", {})) != {"AutoConfig", *(a.__name__ for a in NATIVE_AUTO_CLASSES.values())}
+    ):
         raise ValueError(
             f"{folder}: the remote code is incomplete (missing {missing or 'auto_map entries'}); "
             "save it with save_pretrained"
         )
     card, plots = build_card(folder, repo_id, **card_options)
     files = [path.name for path in weight_files(folder)]
-    files += ["config.json", *REMOTE_CODE_FILES]
-    extras = (SAFE_WEIGHTS_INDEX_NAME, ConversionRecord.FILE, HealReport.FILE, "heal.png", "generation_config.json")
+    files += ["config.json", *([] if exported else REMOTE_CODE_FILES)]
+    extras = (SAFE_WEIGHTS_INDEX_NAME, ConversionRecord.FILE, HealReport.FILE, HEAL_PLOT, "generation_config.json")
     files += [name for name in extras if (folder / name).exists()]
     files += companion_files(folder)  # tokenizer, sentence-transformers modules (some in module folders)
     for name in files:
