@@ -819,10 +819,18 @@ def test_the_development_texts_stop_a_healing_that_no_longer_improves(tmp_path, 
     assert budget["development_kl"][1]["kl"] == pytest.approx(budget["development_kl"][0]["kl"], rel=1e-4)
     assert budget["development_texts"] == 32 and budget["patience"] == 1
     assert report["history"][-1]["step"] == 4 and report["tokens"] == 4 * 8 * 64
+    sampled = report["sampled_next_token"]  # on the development texts, as training begins and after
+    assert set(sampled["after"]["kl_by_position"]) == {"0", "1", "2-3", "4-15", "16-63"}  # 64 tokens a text
+    for figures in sampled.values():
+        assert figures["kl"] == pytest.approx(budget["development_kl"][-1]["kl"], rel=1e-4)
+        assert math.isfinite(figures["cross_entropy_gap"]) and 0 < figures["top1_agreement"] <= 1
     improving = heal_checkpoint(
         str(llama / "post"), str(tmp_path / "improving"), **{**options, "learning_rate": 1e-3, "stop_patience": 8}
     )
     assert improving["budget"]["stopped_at"] is None and improving["steps"] == 20
+    kl = [improving["sampled_next_token"][when]["kl"] for when in ("before", "after")]
+    assert kl[1] < kl[0]
+    assert heal_checkpoint(str(llama / "post"), str(tmp_path / "unmeasured"), **HEAL)["sampled_next_token"] is None
 
 
 def test_an_interrupted_causal_healing_resumes_to_where_the_whole_one_stops(tmp_path, llama, monkeypatch):

@@ -244,7 +244,7 @@ def test_a_healed_norm_free_export_uploads_with_a_card_of_its_own(norm_free, tmp
     upload holds no NormSwap code."""
     from hf_normswap.hub.push import prepare_upload
 
-    options = dict(max_steps=2, learning_rate=1e-3, stop_patience=0, eval_size=16, log=None)
+    options = dict(max_steps=2, learning_rate=1e-3, stop_patience=1, dev_size=8, eval_size=16, log=None)
     heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "healed"), **options)
     export_native(str(tmp_path / "healed"), str(tmp_path / "native"), **QUIET)
     assert ConversionRecord.read(tmp_path / "native").heal["steps"] == 2  # what made it, healing included
@@ -262,6 +262,11 @@ def test_a_healed_norm_free_export_uploads_with_a_card_of_its_own(norm_free, tmp
     assert "Written as a plain `LlamaForCausalLM`, each removed norm is a norm of epsilon 2^40" in card
     assert "Then healed (`hf-normswap heal`, objective kl, 2 steps, 1,024 tokens of text sampled" in card
     assert "on 16 held-out texts of the SST-2 sample, KL" in card and "`heal.json`" not in card
+    sampled = ConversionRecord.read(tmp_path / "native").heal["sampled_next_token"]["after"]
+    assert (
+        f"on texts of 64 tokens sampled from the source and held out from training, KL {sampled['kl']:.3f}, "
+        f"cross-entropy {sampled['cross_entropy_gap']:+.3f}"
+    ) in card
     assert "export-native`: `conversion.json` records what made it" in card and "Remote code" not in card
     loaded = AutoModelForCausalLM.from_pretrained(upload)
     assert type(loaded).__name__ == "LlamaForCausalLM"

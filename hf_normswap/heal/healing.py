@@ -184,9 +184,9 @@ def _heal(
     teacher, head_figures = _training_probe(models, texts, tokenizer, options, gates, fit)
     every = max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
-    development = DevelopmentTexts(texts.development, models.teacher) if texts.development else None
+    development = DevelopmentTexts(texts.development, models.teacher, models.student) if texts.development else None
     swap = _gradual_swap(models.student, gates, options, development)
-    stop = _development_stop(development, options, from_step=swap.settled_step if swap else 0)
+    stop = DevelopmentStop.planned(development, options, from_step=swap.settled_step if swap else 0)
     callbacks = [probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None]
     log_history, seconds, tokens, resumed, steps = _train(
         models, texts, options, callbacks=[callback for callback in callbacks if callback], work=work, quiet=quiet
@@ -217,6 +217,7 @@ def _heal(
         teacher_collapse=collapse_of_states(teacher, [batch["attention_mask"] for batch in texts.held_out]),
         masked_lm_loss=masked_lm,
         next_token=next_token,
+        sampled_next_token=development.next_token(models.student) if development else None,
         before=probe.before,
         after=after,
         history=probe.history,
@@ -245,17 +246,6 @@ def _training_probe(
     if options.reconstruct_steps:
         head_figures = functools.partial(head_figures, gates=None)
     return teacher, head_figures
-
-
-def _development_stop(
-    development: DevelopmentTexts | None, options: HealOptions, from_step: int
-) -> DevelopmentStop | None:
-    """With development texts and `stop_patience`, the stop on their KL, measured every tenth of the steps from
-    `from_step`."""
-    if not (development and options.stop_patience):
-        return None
-    every_tenth = max(1, options.max_steps // 10)
-    return DevelopmentStop(development, every=every_tenth, patience=options.stop_patience, from_step=from_step)
 
 
 def _budget(texts: HealTexts, options: HealOptions, stop: DevelopmentStop | None) -> Budget:

@@ -43,7 +43,8 @@ class MaskedLMLoss:
 @dataclass
 class NextTokenAgreement:
     """A causal LM's distance to the teacher on the held-out text, before and after: KL of next-token distributions
-    (nats per token), top-1 agreement, and greedy agreement (32 tokens from the first 8 tokens of 32 texts)."""
+    (nats per token), by position, top-1 agreement, the cross-entropy gap, and greedy agreement (32 tokens from the
+    first 8 tokens of 32 texts; not on the development texts)."""
 
     before: dict
     after: dict
@@ -95,7 +96,7 @@ class NormRemovalStage:
 @dataclass
 class HealLineage:
     """A healing as conversion.json records it (its `heal`): the settings, and the final output's figures before and
-    after."""
+    after; a causal LM's next-token figures on the held-out text, and on the development texts where it had some."""
 
     teacher: str
     data: HealData
@@ -107,6 +108,7 @@ class HealLineage:
     next_token: NextTokenAgreement | None
     before: dict
     after: dict
+    sampled_next_token: NextTokenAgreement | None = None
 
 
 @dataclass
@@ -141,6 +143,7 @@ class HealReport(JsonRecord):
     reconstruction: Reconstruction | None = None
     budget: Budget | None = None
     norm_removal: list[NormRemovalStage] | None = None  # a norm-free student's gradual schedule
+    sampled_next_token: NextTokenAgreement | None = None  # on the development texts, sampled from the teacher
 
     FILE = "heal.json"
     INDENT = 1

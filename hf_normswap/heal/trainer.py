@@ -32,6 +32,7 @@ from .data import TEACHER_STATES
 from .losses import heal_loss, masked_lm_distillation, next_token_kl, teacher_logits_from_forward
 from .measure import measure, measure_states, student_states
 from .options import HealError, HealOptions
+from .report import NextTokenAgreement
 
 
 class HealTrainer(Trainer):
@@ -202,13 +203,18 @@ class HealProbeCallback(CheckpointedFigures):
 
 class DevelopmentTexts:
     """The development batches (texts sampled from the teacher, held out from training) with the teacher's
-    next-token log-probabilities on them, and a student's `agreement` there; every process measures (a sharded
-    student needs them all)."""
+    next-token log-probabilities on them, a student's `agreement` there, and the `student`'s as it starts (`before`);
+    every process measures (a sharded student needs them all)."""
 
-    def __init__(self, batches: list[dict], teacher: torch.nn.Module):
+    def __init__(self, batches: list[dict], teacher: torch.nn.Module, student: torch.nn.Module):
         with gathered(teacher):
             self.expected = [log_probs.cpu() for log_probs in next_token_log_probs(teacher, batches)]
         self.batches = batches
+        self.before = self.figures(student)
+
+    def next_token(self, student: torch.nn.Module) -> NextTokenAgreement:
+        """The student's figures as it started and now."""
+        return NextTokenAgreement(before=self.before, after=self.figures(student))
 
     def figures(self, model: torch.nn.Module) -> dict:
         with gathered(model):
@@ -227,6 +233,17 @@ class DevelopmentStop(CheckpointedFigures):
     def __init__(self, development: DevelopmentTexts, every: int, patience: int, from_step: int = 0):
         self.development, self.every, self.patience, self.from_step = development, every, patience, from_step
         self.history, self.stopped_at = [], None
+
+    @classmethod
+    def planned(
+        cls, development: DevelopmentTexts | None, options: HealOptions, from_step: int
+    ) -> "DevelopmentStop | None":
+        """With development texts and `stop_patience`, the stop on their KL, measured every tenth of the steps from
+        `from_step`; else None."""
+        if not (development and options.stop_patience):
+            return None
+        every_tenth = max(1, options.max_steps // 10)
+        return cls(development, every=every_tenth, patience=options.stop_patience, from_step=from_step)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.resumed(args, state)

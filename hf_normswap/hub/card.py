@@ -226,6 +226,12 @@ def _healing_line(heal: HealLineage | None, folder: Path) -> str | None:
         )
         if after.get("cross_entropy_gap") is not None:
             line += f", cross-entropy {after['cross_entropy_gap']:+.3f} nats per token from the source's"
+    if heal.sampled_next_token:
+        sampled = heal.sampled_next_token.after
+        line += (
+            f"; on texts of {heal.data.sampling.length} tokens sampled from the source and held out from training, "
+            f"KL {sampled['kl']:.3f}, cross-entropy {sampled['cross_entropy_gap']:+.3f}"
+        )
     cited = [f"`{name}`" for name in (HealReport.FILE, HEAL_PLOT) if (folder / name).exists()]
     return line + (f" ({', '.join(cited)})." if cited else ".")
 
