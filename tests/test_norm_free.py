@@ -209,18 +209,25 @@ def test_fold_norm_weights_computes_the_same(tmp_path, family):
         (dict(norm_placement="sandwich", calibrate=False), "model.layers.0.attention_norms.output_norm cannot fold"),
     ],
 )
-def test_fold_norm_weights_refuses_norms_that_cannot_fold(tmp_path, options, refused):
+def test_fold_norm_weights_refuses_norms_that_cannot_fold(tmp_path, monkeypatch, options, refused):
+    """Refused as the conversion is planned, before any weight is written."""
+    from hf_normswap.convert import converter
+
     family = options.pop("family", "llama")
     save_source(tmp_path / "source", family, "ForCausalLM")
+    monkeypatch.setattr(converter, "_write", lambda *args: pytest.fail("the weights were written"))
     with pytest.raises(ConversionError, match=rf"^fold_norm_weights: {refused}"):
         convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), fold_norm_weights=True, **options, **QUIET)
     assert not (tmp_path / "out").exists()
 
 
-def test_fold_norm_weights_refuses_a_layernorm_bias_no_reader_takes(tmp_path):
+def test_fold_norm_weights_refuses_a_layernorm_bias_no_reader_takes(tmp_path, monkeypatch):
+    from hf_normswap.convert import converter
+
     fields = dict(norm_type="layernorm", norm_bias=True, attention_bias=False, mlp_bias=False)
     config = tiny_config(is_causal=True, norm_placement="pre", architectures=["NormSwapForCausalLM"], **fields)
     NormSwapForCausalLM(config).save_pretrained(tmp_path / "source")
+    monkeypatch.setattr(converter, "_write", lambda *args: pytest.fail("the weights were written"))
     refused = r"^fold_norm_weights: model.layers.0.attention_norms.input_norm cannot fold, its bias has no bias of"
     with pytest.raises(ConversionError, match=refused):
         convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "out"), fold_norm_weights=True, **QUIET)

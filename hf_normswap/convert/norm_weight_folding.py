@@ -6,7 +6,9 @@ final norm before a head tied to the embeddings (or a head that is not a causal 
 import torch
 from torch import nn
 
+from ..model.configuration_normswap import NormSwapConfig
 from ..model.evaluation_mode import evaluation_mode
+from ..model.heads import HEAD_CLASSES
 from .options import ConversionError
 from .stream_calibration import fold_norm, set_norm, sublayers
 
@@ -30,6 +32,13 @@ def _check_foldable(model: nn.Module) -> None:
         bias = getattr(norms.input_norm, "bias", None)
         if bias is not None and any(reader.bias is None for reader in readers):
             _refuse(f"{name}.input_norm", "its bias has no bias of the layers reading it to go to")
+
+
+def check_foldable(config: NormSwapConfig, head: str) -> None:
+    """Refuses, before anything is written, a conversion to `config` with `head` whose norms cannot fold: on its
+    model without weights."""
+    with torch.device("meta"):
+        _check_foldable(HEAD_CLASSES[head](config))
 
 
 @torch.no_grad()

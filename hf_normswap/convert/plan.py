@@ -13,6 +13,7 @@ from .branch_calibration import branch_calibration_blockers
 from .exact_swaps import plan_exact_swap
 from .families import NORMSWAP, Family, family_of, normswap_config
 from .norm_mapping import map_norms
+from .norm_weight_folding import check_foldable
 from .options import ConversionError, ConvertOptions
 from .stream_calibration import pre_ln_source
 
@@ -60,6 +61,8 @@ def plan_conversion(*, source: str, options: ConvertOptions) -> ConversionPlan:
         target = normswap_config(source_config, **swaps, **exact_fields)
     target.architectures = [HEAD_CLASSES[head].__name__]
     target.auto_map = dict(AUTO_MAP)
+    if options.fold_norm_weights:
+        check_foldable(target, head)
     return ConversionPlan(
         source=source,
         folder=folder,
