@@ -3,6 +3,7 @@ norms that divide by a constant, and norm gains folded into the layers reading t
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
+from hf_normswap.cli import main as cli
 from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.calibration import _finite_on
 from hf_normswap.convert.constant_norms import CONSTANT_NORM_EPS, query_key_scale, with_constant_norms
@@ -172,16 +174,21 @@ def test_norm_free_export_refuses_first_positions_and_float16(norm_free, tmp_pat
         ({"embedding_norm": True}, r"^embedding_norm=True: the native classes have one norm epsilon, and the embed"),
     ],
 )
-def test_norm_free_export_refuses_norms_the_native_classes_cannot_hold(fields, refused):
-    model = NormSwapForCausalLM(tiny_config(norm_placement="none", is_causal=True, **fields))
-    with pytest.raises(ConversionError, match=refused):
-        with_constant_norms(model)
+def test_norm_free_export_refuses_norms_the_native_classes_cannot_hold(tmp_path, capsys, fields, refused):
+    config = tiny_config(norm_placement="none", is_causal=True, architectures=["NormSwapForCausalLM"], **fields)
+    NormSwapForCausalLM(config).save_pretrained(tmp_path / "variant")
+    capsys.readouterr()
+    assert cli(["export-native", str(tmp_path / "variant"), str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err.strip().removeprefix("hf-normswap export-native: error: ")
+    assert re.match(refused, error) and len(error.splitlines()) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["variant"]  # nothing else on disk
 
 
 def test_norm_free_export_refuses_a_model_with_norms_in_some_layers(norm_free, tmp_path):
     convert_checkpoint(str(norm_free / "llama"), str(tmp_path / "mixed"), norm_placement=["none", "pre"], **QUIET)
     with pytest.raises(ConversionError, match=r"^cannot be written as a native llama model .*norm_placement="):
         export_native(str(tmp_path / "mixed"), str(tmp_path / "out"), **QUIET)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mixed"]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen2"])
