@@ -337,6 +337,16 @@ def test_transformer_lens_reads_the_exported_norm_free_stream(norm_free, tmp_pat
     for layer in range(variant.config.num_hidden_layers):  # the stream itself: no norm between the hooks and it
         stream = expected.hidden_states[layer]
         assert (cache[f"blocks.{layer}.hook_resid_pre"] - stream).abs().max() <= 1e-5 * stream.abs().max()
+    writes = cache["hook_embed"] + (cache["hook_pos_embed"] if family == "gpt2" else 0)
+    for layer in range(variant.config.num_hidden_layers):  # the stream is the sum of the sublayers' writes
+        writes = writes + cache[f"blocks.{layer}.hook_attn_out"] + cache[f"blocks.{layer}.hook_mlp_out"]
+        stream = cache[f"blocks.{layer}.hook_resid_post"]
+        assert (writes - stream).abs().max() <= 1e-5 * stream.abs().max()
+        for norm in ("ln1", "ln2"):  # the norms divide by a constant: 2^20 = sqrt(2^40), to float32
+            assert torch.equal(
+                cache[f"blocks.{layer}.{norm}.hook_scale"],
+                torch.full_like(cache[f"blocks.{layer}.{norm}.hook_scale"], 2.0**20),
+            )
 
 
 def test_norm_removal_with_every_norm_kept_is_the_source(norm_free):
