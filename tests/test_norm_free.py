@@ -184,6 +184,22 @@ def test_norm_free_export_refuses_norms_the_native_classes_cannot_hold(tmp_path,
     assert sorted(path.name for path in tmp_path.iterdir()) == ["variant"]  # nothing else on disk
 
 
+def test_a_constant_norm_is_exact_until_a_token_rms_of_about_4700():
+    """LLaMA's own RMSNorm at the export's epsilon 2^40 and gain 2^20, in float32: a mean square below 2^15 vanishes
+    against the epsilon (the input comes back bit for bit); the relative error ms / 2^41 reaches 1e-5 at RMS 4,700."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(64, eps=CONSTANT_NORM_EPS)
+    norm.weight.data.fill_(2.0**20)
+    direction = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    direction = direction / direction.pow(2).mean(-1, keepdim=True).sqrt()
+    with torch.no_grad():
+        assert torch.equal(norm(direction * 100), direction * 100)
+        for rms, error in [(1000, 4.5e-7), (4700, 1.0e-5)]:
+            x = direction * rms
+            assert ((x - norm(x)).abs().max() / x.abs().max()).item() == pytest.approx(error, rel=0.15, abs=1e-7)
+
+
 def test_norm_free_export_refuses_a_model_with_norms_in_some_layers(norm_free, tmp_path):
     convert_checkpoint(str(norm_free / "llama"), str(tmp_path / "mixed"), norm_placement=["none", "pre"], **QUIET)
     with pytest.raises(ConversionError, match=r"^cannot be written as a native llama model .*norm_placement="):
