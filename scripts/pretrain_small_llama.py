@@ -3,14 +3,19 @@ causal LM to choose healing defaults on (docs/experiments/healing.md). Offline: 
 GGUF file, and its samples are an unlimited corpus that a small model cannot memorise as it would the SST-2 sample.
 
     python scripts/pretrain_small_llama.py OUT --layers 5 --width 64 [--corpus corpus.txt] [--steps 400]
+        [--glue ../shared/data/glue]
 
 The corpus (`--corpus`, sampled once and reused by later runs) holds `--corpus-texts` texts of 64 tokens sampled at
-temperature 1, each from BOS; a byte-level BPE tokenizer of `--vocab` tokens is trained on it, then the model (heads of
-width 8, half as many KV heads, MLP 8/3 of the width) with AdamW (cosine decay, 5% warm-up) on texts of 64 tokens. OUT
-holds the model and tokenizer; the last line printed is the held-out cross-entropy. Seeded: a rerun gives the same.
+temperature 1, each from BOS; with `--glue DIR`, it is real text instead, written once: the GLUE SST-2 and RTE
+training texts in DIR (`../shared/data/glue`), joined in their order into lines of about 48 words, far more text than
+a CPU samples from SmolLM2 in an hour. A byte-level BPE tokenizer of `--vocab` tokens is trained on it, then the model
+(heads of width 8, half as many KV heads, MLP 8/3 of the width) with AdamW (cosine decay, 5% warm-up) on texts of 64
+tokens. OUT holds the model and tokenizer; the last line printed is the held-out cross-entropy. Seeded: a rerun gives
+the same.
 """
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -42,6 +47,23 @@ def sample_corpus(path: Path, texts: int, group: int = 64, length: int = 64) -> 
     return lines[:texts]
 
 
+def glue_corpus(path: Path, glue: Path, words: int = 48) -> list[str]:
+    """The SST-2 and RTE training texts in `glue`, joined into lines of about `words` words (written to `path`, read
+    back from it if it exists)."""
+    if not path.exists():
+        texts = [json.loads(row)["sentence"] for row in (glue / "sst2" / "train.jsonl").read_text().splitlines()]
+        for row in (glue / "rte" / "train.jsonl").read_text().splitlines():
+            texts += [json.loads(row)["sentence1"], json.loads(row)["sentence2"]]
+        lines, line = [], []
+        for text in texts:
+            line += text.split()
+            if len(line) >= words:
+                lines.append(" ".join(line))
+                line = []
+        path.write_text("\n".join(lines) + "\n")
+    return path.read_text().splitlines()
+
+
 def train_tokenizer(lines: list[str], vocab: int) -> PreTrainedTokenizerFast:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -60,11 +82,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--corpus", type=Path, default=Path("smollm2-corpus.txt"))
     parser.add_argument("--corpus-texts", type=int, default=2048)
+    parser.add_argument("--glue", type=Path, help="real text: the GLUE folder holding sst2/ and rte/ training texts")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     args = parser.parse_args()
-    lines = sample_corpus(args.corpus, args.corpus_texts)
+    lines = glue_corpus(args.corpus, args.glue) if args.glue else sample_corpus(args.corpus, args.corpus_texts)
     tokenizer = train_tokenizer(lines, args.vocab)
     ids = [[tokenizer.bos_token_id, *tokenizer(line)["input_ids"]][:65] for line in lines]
     ids = torch.tensor([row + [tokenizer.pad_token_id] * (65 - len(row)) for row in ids])

@@ -303,13 +303,15 @@ def figures(entry, path: str = "") -> dict:
 
 
 def assert_same_healing(healed: Path, reference: Path) -> None:
-    """The two healings logged the same losses and gradient norms at each of their 4 steps, measured the same student
-    before and after, and saved the same tensors (the key bias aside: ZERO_GRADIENT), within TOLERANCE."""
-    for key in ("loss", "grad_norm"):
-        got, expected = logged(healed, key), logged(reference, key)
-        assert len(got) == len(expected) == 4
-        assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (key, got, expected)
+    """The two healings took the same steps (at least 3 of their 4: the development texts may stop them), logged the
+    same losses and gradient norms at each, measured the same student before and after, and saved the same tensors
+    (the key bias aside: ZERO_GRADIENT), within TOLERANCE."""
     got, expected = (json.loads((folder / "heal.json").read_text()) for folder in (healed, reference))
+    assert got["steps"] == expected["steps"] >= 3
+    for key in ("loss", "grad_norm"):
+        logs = logged(healed, key), logged(reference, key)
+        assert len(logs[0]) == len(logs[1]) == got["steps"]
+        assert max(abs(a - b) for a, b in zip(*logs)) <= TOLERANCE, (key, *logs)
     for key in ("before", "after", "next_token"):
         assert figures(got[key]) == pytest.approx(figures(expected[key]), abs=TOLERANCE), key
     got, expected = tensors(healed), tensors(reference)

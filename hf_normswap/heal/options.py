@@ -35,20 +35,22 @@ FITTED_DEFAULTS = {"reconstruct_steps": 60}
 
 @dataclass(frozen=True)
 class CausalScaling:
-    """A causal-LM student's learning rate (`width_rate` / hidden size squared; after fitted layers, times its steps /
-    `fitted_steps` up to 1: in a short healing a larger rate undid the fit, in a long one it healed furthest) and
-    training tokens (`tokens_by_parameters` / its parameters outside embeddings and head, at most `most_tokens`); at
-    SmolLM2-135M's width 576 and 106M such parameters the rates measured there, 1e-4 (1e-5 fitted), and 100 steps of
-    8 texts of 64 tokens. Chosen on SmolLM2 and LLaMAs pretrained from scratch (docs/experiments/healing.md,
-    2026-12-02 and 2026-12-06)."""
+    """A causal-LM student's learning rate (`width_rate` / hidden size squared, at most `most_rate`; after fitted
+    layers, times its steps / `fitted_steps` up to 1: in a short healing a larger rate undid the fit, in a long one it
+    healed furthest) and training tokens (`tokens_by_parameters` / its parameters outside embeddings and head, at most
+    `most_tokens`); at SmolLM2-135M's width 576 and 106M such parameters the rates measured there, 1e-4 (1e-5
+    fitted), and 100 steps of 8 texts of 64 tokens. Chosen on SmolLM2 and three LLaMAs pretrained from scratch
+    (docs/experiments/healing.md, 2026-12-02, 2026-12-06 and 2026-12-07)."""
 
     width_rate: float = 33.1776  # 1e-4 x 576**2
+    most_rate: float = 3e-3  # two models of width 64, trained on other text, at their best within 1.08x there
     fitted_steps: int = 1000
     tokens_by_parameters: float = 5.44e12
     most_tokens: int = 2**21
 
     def learning_rate(self, width: int, fitted: bool, steps: int) -> float:
-        return self.width_rate / width**2 * (min(1.0, steps / self.fitted_steps) if fitted else 1.0)
+        rate = min(self.width_rate / width**2, self.most_rate)
+        return rate * (min(1.0, steps / self.fitted_steps) if fitted else 1.0)
 
     def tokens(self, parameters: int) -> int:
         return int(min(self.most_tokens, self.tokens_by_parameters / parameters))
@@ -245,7 +247,8 @@ class HealOptions:
         metadata={
             "rules": (positive(),),
             "help": f"peak learning rate (10% warm-up, linear decay); {_by_head('learning_rate')}; for a causal-LM "
-            f"student, {CAUSAL_SCALING.width_rate:.4g} / its hidden size squared, after fitted layers times the "
+            f"student, {CAUSAL_SCALING.width_rate:.4g} / its hidden size squared, at most "
+            f"{CAUSAL_SCALING.most_rate:g}, after fitted layers times the "
             f"steps / {CAUSAL_SCALING.fitted_steps:,} (at most 1)",
         },
     )
