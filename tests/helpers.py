@@ -1,6 +1,7 @@
 """Shared test helpers: tiny NormSwap configs and batches, tiny random source checkpoints built from Transformers'
 own configs and saved to temporary folders, a tiny task, reading tensors back."""
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -357,3 +358,21 @@ def assert_same_comparison(output: Path, reference: Path) -> None:
     assert max(abs(scale - 1) for scale in got[0]["learning_rate_scales"].values()) < 1e-5  # post: the source
     assert got[1]["learning_rate_scales"] == pytest.approx(expected[1]["learning_rate_scales"], rel=1e-5)
     assert max(abs(scale - 1) for scale in got[1]["learning_rate_scales"].values()) > 0.01  # pre+heal: calibrated
+
+
+@contextlib.contextmanager
+def interrupted(monkeypatch, module, trainer: str, step: int):
+    """Within it, the Trainer class `module.<trainer>` stops training (KeyboardInterrupt, expected) once `step` steps
+    are done, as an interrupted run would; after it, the class is the original again."""
+    original = getattr(module, trainer)
+
+    class Interrupted(original):
+        def training_step(self, *args, **kwargs):
+            if self.state.global_step == step:
+                raise KeyboardInterrupt
+            return super().training_step(*args, **kwargs)
+
+    monkeypatch.setattr(module, trainer, Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        yield
+    monkeypatch.setattr(module, trainer, original)

@@ -13,7 +13,7 @@ from hf_normswap.compare.comparison import Experiment, run_comparison
 from hf_normswap.compare.experiment import Variant
 from hf_normswap.tasks import load_task
 
-from helpers import save_source, tiny_task
+from helpers import interrupted, save_source, tiny_task
 from launches import torchrun
 
 
@@ -109,14 +109,7 @@ def test_resume_after_interruption_gives_the_same_results(tmp_path, bert_source,
     reference = run_comparison(experiment(tmp_path / "a", bert_source, **settings))
     trainer = "RelativeLearningRateTrainer" if relative else "Trainer"
 
-    class Interrupted(getattr(runner, trainer)):
-        def training_step(self, *args, **kwargs):
-            if self.state.global_step == 9:  # in the second epoch, after the first epoch's checkpoint
-                raise KeyboardInterrupt
-            return super().training_step(*args, **kwargs)
-
-    monkeypatch.setattr(runner, trainer, Interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted(monkeypatch, runner, trainer, step=9):  # in the second epoch, after the first one's checkpoint
         run_comparison(experiment(tmp_path / "b", bert_source, output=str(tmp_path / "b"), **settings))
     finished = tmp_path / "b" / "runs" / "post-seed0" / "result.json"
     assert not finished.exists() and list((tmp_path / "b" / "runs" / "post-seed0").glob("checkpoint-*"))
@@ -554,22 +547,13 @@ def test_heal_variants_are_healed_once_and_resume_mid_healing(tmp_path, bert_sou
     }
     fields = dict(variants=["post", "pre+heal"], epochs=1, heal=settings, packing=True)  # healing packs too
 
-    original = heal.HealTrainer
-
-    class Interrupted(original):
-        def training_step(self, *args, **kwargs):
-            if self.state.global_step == 4:  # after the checkpoints of steps 2 and 4 (every max_steps // 5 = 1 step)
-                raise KeyboardInterrupt
-            return super().training_step(*args, **kwargs)
-
-    monkeypatch.setattr(heal, "HealTrainer", Interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    # after the checkpoints of steps 2 and 4 (every max_steps // 5 = 1 step)
+    with interrupted(monkeypatch, heal, "HealTrainer", step=4):
         run_comparison(experiment(tmp_path, bert_source, **fields))
     output = tmp_path / "comparison"
     assert not (output / "variants" / "pre+heal").exists()
     assert [path.name for path in (output / "healing" / "pre+heal").glob("checkpoint-*")] == ["checkpoint-4"]
 
-    monkeypatch.setattr(heal, "HealTrainer", original)
     document = run_comparison(experiment(tmp_path, bert_source, **fields))
     record = json.loads((output / "variants" / "pre+heal" / "heal.json").read_text())
     assert (

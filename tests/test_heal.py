@@ -17,7 +17,7 @@ from hf_normswap.model import REMOTE_CODE_FILES
 from hf_normswap.model.modeling_normswap import AUTO_MAP
 from hf_normswap.probes.collapse import mean_pairwise_cosine
 
-from helpers import SENTENCES, save_source
+from helpers import SENTENCES, interrupted, save_source
 
 
 HEAL = dict(max_steps=24, learning_rate=1e-3, batch_size=8, eval_size=16, log=None)
@@ -281,19 +281,9 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
 
     settings = dict(HEAL, max_steps=5, data=str(variant / "text.txt"), objective="hidden")
     whole = heal_checkpoint(str(variant / "pre"), str(tmp_path / "whole"), **settings)
-    original = healing.HealTrainer
-
-    class Interrupted(original):
-        def training_step(self, *args, **kwargs):
-            if self.state.global_step == 3:  # after the checkpoints of steps 1 to 3
-                raise KeyboardInterrupt
-            return super().training_step(*args, **kwargs)
-
     resumable = dict(settings, checkpoint_dir=str(tmp_path / "checkpoints"))
-    monkeypatch.setattr(healing, "HealTrainer", Interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted(monkeypatch, healing, "HealTrainer", step=3):  # after the checkpoints of steps 1 to 3
         heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
-    monkeypatch.setattr(healing, "HealTrainer", original)
     figures = tmp_path / "checkpoints" / "heal_probe.json"
     kept = figures.read_text()
     figures.unlink()  # as checkpoints of an older version: refused in one line, nothing written

@@ -48,7 +48,7 @@ from hf_normswap.probes.sampling import InverseCdfSampling, start_token
 from hf_normswap.probes.stream_mix import kl_by_layer
 from hf_normswap.probes.swap_effect import swap_batch
 
-from helpers import save_source
+from helpers import interrupted, save_source
 
 
 QUIET = dict(log=lambda line: None)
@@ -844,19 +844,9 @@ def test_an_interrupted_causal_healing_resumes_to_where_the_whole_one_stops(tmp_
     options |= {"reconstruct_steps": 2, "reconstruct_sequences": 16}
     whole = heal_checkpoint(str(llama / "post"), str(tmp_path / "whole"), **options)
     assert whole["budget"]["stopped_at"] == 4 and whole["reconstruction"]["steps"] == 2
-    original = healing.HealTrainer
-
-    class Interrupted(original):
-        def training_step(self, *args, **kwargs):
-            if self.state.global_step == 3:  # after the checkpoint of step 2
-                raise KeyboardInterrupt
-            return super().training_step(*args, **kwargs)
-
     resumable = {**options, "checkpoint_dir": str(tmp_path / "checkpoints")}
-    monkeypatch.setattr(healing, "HealTrainer", Interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted(monkeypatch, healing, "HealTrainer", step=3):  # after the checkpoint of step 2
         heal_checkpoint(str(llama / "post"), str(tmp_path / "resumed"), **resumable)
-    monkeypatch.setattr(healing, "HealTrainer", original)
     assert json.loads((tmp_path / "checkpoints" / "development_stop.json").read_text())["history"][-1]["step"] == 2
     resumed = heal_checkpoint(str(llama / "post"), str(tmp_path / "resumed"), **resumable)
     assert resumed["resumed"] and resumed["budget"]["stopped_at"] == 4 and resumed["steps"] == 4

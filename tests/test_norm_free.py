@@ -24,7 +24,7 @@ from hf_normswap.hub.card import build_card
 from hf_normswap.model.heads import HEAD_CLASSES
 from hf_normswap.model.modeling_normswap import NormSwapForCausalLM
 
-from helpers import save_source, tiny_config
+from helpers import interrupted, save_source, tiny_config
 
 
 QUIET = dict(log=lambda line: None)
@@ -455,19 +455,9 @@ def test_a_staged_healing_resumes_with_the_stages_measured_before(norm_free, tmp
 
     options = dict(swap_schedule="stages", max_steps=20, learning_rate=3e-4, stop_patience=0, dev_size=16, log=None)
     whole = heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "whole"), **options)
-    original = healing.HealTrainer
-
-    class Interrupted(original):
-        def training_step(self, *args, **kwargs):
-            if self.state.global_step == 9:  # after the checkpoint of step 8
-                raise KeyboardInterrupt
-            return super().training_step(*args, **kwargs)
-
     resumable = dict(options, checkpoint_dir=str(tmp_path / "checkpoints"))
-    monkeypatch.setattr(healing, "HealTrainer", Interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted(monkeypatch, healing, "HealTrainer", step=9):  # after the checkpoint of step 8
         heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "resumed"), **resumable)
-    monkeypatch.setattr(healing, "HealTrainer", original)
     resumed = heal_checkpoint(str(norm_free / "llama-none"), str(tmp_path / "resumed"), **resumable)
     assert resumed["resumed"] and [stage["step"] for stage in resumed["norm_removal"]] == [4, 7, 10, 20]
     for ours, theirs in zip(resumed["norm_removal"], whole["norm_removal"], strict=True):
