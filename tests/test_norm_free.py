@@ -291,7 +291,7 @@ def test_a_healed_norm_free_export_uploads_with_a_card_of_its_own(norm_free, tmp
     assert "input norms of its 4 sublayers and the final norm were removed" in card
     assert "Written as a plain `LlamaForCausalLM`, each removed norm is a norm of epsilon 2^40" in card
     assert "Then healed (`hf-normswap heal`, objective kl, 2 steps, 1,024 tokens of text sampled" in card
-    assert "on 16 held-out texts of the SST-2 sample, KL" in card and "`heal.json`" not in card
+    assert "on 16 held-out texts of sst2-sample, KL" in card and "`heal.json`" not in card
     sampled = ConversionRecord.read(tmp_path / "native").heal["sampled_next_token"]["after"]
     assert (
         f"on texts of 64 tokens sampled from the source and held out from training, KL {sampled['kl']:.3f}, "

@@ -43,8 +43,8 @@ def check_foldable(config: NormSwapConfig, head: str) -> None:
 
 @torch.no_grad()
 def fold_norm_weights(model: nn.Module) -> list[str]:
-    """Folds the gains of `model`'s norms into the layers reading them, in place; returns the norms keeping theirs."""
-    _check_foldable(model)
+    """Folds the gains of `model`'s norms (`check_foldable` passed its configuration) into the layers reading them, in
+    place; returns the norms keeping theirs."""
     with evaluation_mode(model):
         for norms, readers, _ in sublayers(model):
             if not isinstance(norms.input_norm, nn.Identity):

@@ -19,6 +19,9 @@ from ..tasks import GLUE_TASKS, load_task
 from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
 
 
+SAMPLED_HELD_OUT = "sst2-sample"  # the held-out text of a healing on text sampled from the teacher
+
+
 @dataclass
 class HealTexts:
     """The tokenized training rows with the collator that batches them, and the padded held-out batches."""
@@ -38,7 +41,7 @@ def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> 
     size = process_share(options.batch_size, HealError)  # every process measures every held-out batch
     sampled = options.data == "teacher"
     train, held_out, columns = load_texts(
-        "sst2-sample" if sampled else options.data, text_column=options.text_column, data_dir=options.data_dir
+        SAMPLED_HELD_OUT if sampled else options.data, text_column=options.text_column, data_dir=options.data_dir
     )
     if sampled:
         train = teacher_samples(teacher, tokenizer, options)

@@ -104,9 +104,6 @@ class NormRemoval(CheckpointedFigures):
         gone = [name for group, name in enumerate(self.group_names) if not kept[self.groups == group].any()]
         return gone + (["first position's divisors"] if self.first_scales and left == 0 else [])
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.resumed(args, state)
-
     def figures(self) -> dict:
         return {"stages": [asdict(stage) for stage in self.stages]}
 

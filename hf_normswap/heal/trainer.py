@@ -151,6 +151,9 @@ class CheckpointedFigures(TrainerCallback):
         self.restore(json.loads(file.read_text()), state.global_step)
         return True
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.resumed(args, state)
+
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             written = Path(args.output_dir) / f".{self.FILE}"
@@ -161,8 +164,7 @@ class CheckpointedFigures(TrainerCallback):
 class HealProbeCallback(CheckpointedFigures):
     """Measures the student on the held-out batches as the Trainer trains it (sharded, on its device): when training
     begins (`before`, and from the same states `head_figures(student, before=True, states=...)`: `head_before`),
-    then every `every` steps before the last, for the plot. Whenever the Trainer saves a checkpoint, its figures go
-    beside the checkpoints (`FILE`), and are read back when training resumes from one."""
+    then every `every` steps before the last, for the plot; its figures kept beside the checkpoints."""
 
     FILE = "heal_probe.json"
 
@@ -244,9 +246,6 @@ class DevelopmentStop(CheckpointedFigures):
             return None
         every_tenth = max(1, options.max_steps // 10)
         return cls(development, every=every_tenth, patience=options.stop_patience, from_step=from_step)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.resumed(args, state)
 
     def figures(self) -> dict:
         return {"history": self.history}

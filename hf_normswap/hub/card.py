@@ -10,6 +10,7 @@ from transformers import AutoConfig
 from ..convert.branch_calibration import removes_norms
 from ..convert.calibration import CalibrationRecord
 from ..convert.converter import ConversionRecord, SourceRecord, SwapRecord
+from ..heal.data import SAMPLED_HELD_OUT
 from ..heal.report import HEAL_PLOT, HealData, HealLineage, HealReport
 from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import NATIVE_AUTO_CLASSES, PIPELINE_TAGS, head_of_config
@@ -90,6 +91,7 @@ def build_card(
     conversion = ConversionRecord.read(folder)
     exported = not isinstance(native, NormSwapConfig)
     config = NormSwapConfig.from_dict(conversion.target_config) if exported else native
+    native_class = native.architectures[0] if exported else None
     head = head_of_config(native)
     data = _card_data(folder, repo_id, conversion, config, head, base_model, license, datasets)
     results, name = _comparison(folder, variant)
@@ -110,8 +112,8 @@ def build_card(
         position=config.position_embedding_type,
         attention="causal" if config.is_causal else "bidirectional",
         auto_class=NATIVE_AUTO_CLASSES[head].__name__,
-        native_class=native.architectures[0] if exported else None,
-        norm_free=_norm_free_line(config, native.architectures[0] if exported else None),
+        native_class=native_class,
+        norm_free=_norm_free_line(config, native_class),
         **_conversion_fields(conversion, folder),
         comparison_intro=_comparison_intro(results, name) if results else None,
         comparison_table="\n".join(_comparison_rows(results)) if results else None,
@@ -218,7 +220,7 @@ def _healing_line(heal: HealLineage | None, folder: Path) -> str | None:
     )
     if heal.next_token:
         after = heal.next_token.after
-        held_out = "the SST-2 sample" if heal.data.sampling is not None else heal.data.name
+        held_out = SAMPLED_HELD_OUT if heal.data.sampling is not None else heal.data.name
         line += (
             f"; after healing, on {heal.data.held_out_rows:,} held-out texts of {held_out}, KL {after['kl']:.3f} "
             f"nats per token, top-1 agreement {after['top1_agreement']:.3f}, greedy agreement "

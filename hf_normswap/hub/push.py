@@ -35,18 +35,17 @@ def prepare_upload(folder: str | Path, repo_id: str, destination: Path, **card_o
             f"{folder}: neither a NormSwap checkpoint nor one `export-native` wrote (model_type "
             f"{config.get('model_type')!r}, no {ConversionRecord.FILE})"
         )
-    missing = [name for name in REMOTE_CODE_FILES if not (folder / name).exists()]
-    if not exported and (
-        missing
-        or set(config.get("auto_map", {})) != {"AutoConfig", *(a.__name__ for a in NATIVE_AUTO_CLASSES.values())}
-    ):
+    code = [] if exported else REMOTE_CODE_FILES  # an export is Transformers' own class
+    missing = [name for name in code if not (folder / name).exists()]
+    auto_map = {"AutoConfig", *(auto_class.__name__ for auto_class in NATIVE_AUTO_CLASSES.values())}
+    if missing or (code and set(config.get("auto_map", {})) != auto_map):
         raise ValueError(
             f"{folder}: the remote code is incomplete (missing {missing or 'auto_map entries'}); "
             "save it with save_pretrained"
         )
     card, plots = build_card(folder, repo_id, **card_options)
     files = [path.name for path in weight_files(folder)]
-    files += ["config.json", *([] if exported else REMOTE_CODE_FILES)]
+    files += ["config.json", *code]
     extras = (SAFE_WEIGHTS_INDEX_NAME, ConversionRecord.FILE, HealReport.FILE, HEAL_PLOT, "generation_config.json")
     files += [name for name in extras if (folder / name).exists()]
     files += companion_files(folder)  # tokenizer, sentence-transformers modules (some in module folders)
