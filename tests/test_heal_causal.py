@@ -17,6 +17,7 @@ from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.heal import HealError, HealOptions, losses
+from hf_normswap.heal import data as data_module
 from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.data import (
     TEACHER_STATES,
@@ -44,7 +45,7 @@ from hf_normswap.probes.next_token import (
     token_log_probs,
 )
 from hf_normswap.probes.probe_data import sampled_batches
-from hf_normswap.probes.sampling import InverseCdfSampling, start_token
+from hf_normswap.probes.sampling import InverseCdfSampling, start_token, uniform_draws
 from hf_normswap.probes.stream_mix import kl_by_layer
 from hf_normswap.probes.swap_effect import swap_batch
 
@@ -363,15 +364,18 @@ def test_teacher_samples_are_distinct(llama):
     sequences = {tuple(row["input_ids"]) for row in rows}
     assert len(rows) == 12 and len(sequences) == 12
     assert all(len(row["input_ids"]) == 10 for row in rows)
-    torch.manual_seed(0)  # the first group's seed: every second text sampled without BOS, from a token drawn after it
-    sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([InverseCdfSampling(1.0)]))  # never EOS
+    draws = uniform_draws(0, 12, 11)  # the first group's: every second text without BOS, from a token drawn after it
+
+    def sampled(starts, draws):  # never EOS
+        sampling = LogitsProcessorList([InverseCdfSampling(1.0, draws)])
+        steps = dict(max_new_tokens=draws.shape[1], min_new_tokens=draws.shape[1])
+        return teacher.generate(
+            starts, attention_mask=torch.ones_like(starts), do_sample=False, logits_processor=sampling, **steps
+        )
+
     starts = torch.full((12, 1), tokenizer.bos_token_id)  # one group of the 12 texts
-    after = starts[1::2]
-    first = dict(min_new_tokens=1, max_new_tokens=1)
-    after[:] = teacher.generate(after, attention_mask=torch.ones_like(after), **first, **sampling)[:, 1:]
-    sampled = teacher.generate(
-        starts, attention_mask=torch.ones_like(starts), max_new_tokens=10, min_new_tokens=10, **sampling
-    ).tolist()
+    starts[1::2] = sampled(starts[1::2], draws[1::2, :1])[:, 1:]
+    sampled = sampled(starts, draws[:, 1:]).tolist()
     texts = rows["input_ids"]
     assert texts == [text[:-1] for text in sampled]
     assert {text[0] == tokenizer.bos_token_id for text in texts[::2]} == {True}
@@ -424,8 +428,8 @@ def test_inverse_cdf_sampling_draws_from_the_softmax_at_the_temperature():
     drawn; ids left out that the scores do not hold (past the vocabulary, negative) change nothing."""
     scores = torch.tensor([2.0, 0.5, -math.inf, 1.0, -1.0, 3.0])
     for temperature, never in ((1.0, ()), (0.7, ()), (1.0, (5, 6, -1))):
-        torch.manual_seed(0)
-        drawn = InverseCdfSampling(temperature, never)(None, scores.expand(200_000, -1)).argmax(-1)
+        draws = uniform_draws(0, 200_000, 1)
+        drawn = InverseCdfSampling(temperature, draws, never)(None, scores.expand(200_000, -1)).argmax(-1)
         frequencies = torch.bincount(drawn, minlength=len(scores)) / len(drawn)
         left_out = torch.tensor([token for token in never if 0 <= token < len(scores)], dtype=torch.long)
         expected = torch.softmax(scores.index_fill(0, left_out, -math.inf) / temperature, -1)
@@ -435,8 +439,8 @@ def test_inverse_cdf_sampling_draws_from_the_softmax_at_the_temperature():
 
 def test_calibration_texts_are_drawn_as_the_teachers_are(llama):
     """A conversion's calibration texts (`sampled_batches`) come from the same sampler as heal's teacher texts:
-    reproduced by `generate` with `InverseCdfSampling` under the seed, without a static cache; the global generator
-    is left as it was."""
+    reproduced by `generate` with `InverseCdfSampling` at the seed's draws, without a static cache; the global
+    generator is not drawn from."""
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
     torch.manual_seed(123)
@@ -444,9 +448,10 @@ def test_calibration_texts_are_drawn_as_the_teachers_are(llama):
     torch.manual_seed(123)
     ids = sampled_batches(teacher, tokenizer, count=6, length=9, seed=4)[0]["input_ids"]
     assert torch.equal(torch.rand(1), expected_next)
-    torch.manual_seed(4)
     bos = torch.full((6, 1), tokenizer.bos_token_id)
-    sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([InverseCdfSampling(1.0)]))
+    sampling = dict(
+        do_sample=False, logits_processor=LogitsProcessorList([InverseCdfSampling(1.0, uniform_draws(4, 6, 8))])
+    )
     length = dict(max_new_tokens=8, min_new_tokens=8)
     expected = teacher.generate(bos, attention_mask=torch.ones_like(bos), **length, **sampling)
     assert ids.shape == (6, 9) and torch.equal(ids, expected)
@@ -581,12 +586,12 @@ def test_a_smaller_teacher_samples_more_texts_a_group_on_a_cpu():
 
 def test_a_healing_samples_the_texts_it_reads(llama, monkeypatch):
     """A healing on the teacher's text samples its steps' texts and the batch read ahead in one group, no more (on a
-    CPU: an accelerator samples 1,024 texts a group)."""
-    groups, reads, sample, read = [], [], TeacherSamples.sample, TeacherSamples._read
+    CPU: an accelerator samples 63 groups more with it)."""
+    groups, reads, sample, read = [], [], TeacherSamples._sample, TeacherSamples._read
 
     def counted_sample(*args, **kwargs):
         sampled = sample(*args, **kwargs)
-        groups.append(len(sampled[0]))
+        groups.extend(len(ids) for ids, _ in sampled.values())
         return sampled
 
     def counted_read(*args, **kwargs):
@@ -594,12 +599,33 @@ def test_a_healing_samples_the_texts_it_reads(llama, monkeypatch):
             reads.append(1)
             yield row
 
-    monkeypatch.setattr(TeacherSamples, "sample", counted_sample)
+    monkeypatch.setattr(TeacherSamples, "_sample", counted_sample)
     monkeypatch.setattr(TeacherSamples, "_read", counted_read)
     options = HEAL | dict(max_steps=3, batch_size=4, reconstruct_steps=0)
     report = heal_checkpoint(str(llama / "post"), str(llama / "sampled-as-read"), **options, data="teacher")
-    group = 1024 if torch.accelerator.is_available() else 16  # (3 + 1) x 4
-    assert report["steps"] == 3 and groups == [group] and len(reads) == 16
+    at_once = 1024 // 16 if torch.accelerator.is_available() else 1  # an accelerator samples 64 groups at once
+    assert report["steps"] == 3 and groups == [16] * at_once and len(reads) == 16  # 16: (3 + 1) x 4
+
+
+def test_teacher_samples_are_the_same_however_many_groups_are_sampled_at_once(llama, monkeypatch):
+    """An accelerator samples several groups in one generation (`groups_at_once`); each text comes from its own row
+    of its group's draws, so the stream's texts, its development texts and the held-out texts are those a CPU samples
+    a group at a time. The group's size depends on the model and the texts read, not on the device."""
+    teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(llama / "post")
+    options = HealOptions(data="teacher", sample_length=10, max_steps=4, batch_size=3, sample_reads=2)
+    assert sampled_together(teacher, options) == 15 and data_module.groups_at_once(teacher, 15) == 1  # (4 + 1) x 3
+    calls = _counted_generate(teacher, monkeypatch)
+    one_at_a_time = [row["input_ids"] for row in itertools.islice(teacher_samples(teacher, tokenizer, options), 70)]
+    assert len(calls) == 2 * 3 and len({tuple(row) for row in one_at_a_time}) == 3 * 15  # each group read twice
+    monkeypatch.setattr(data_module, "groups_at_once", lambda teacher, together: 4)
+    at_once = [row["input_ids"] for row in itertools.islice(teacher_samples(teacher, tokenizer, options), 70)]
+    assert at_once == one_at_a_time and len(calls) == 2 * 3 + 2  # groups 0-3 in one generation
+    stream = TeacherSamples(teacher, start=tokenizer.bos_token_id, pad=0, options=options, states=False)
+    groups = stream._sample(range(3), 15)
+    assert [groups[group][0].tolist() for group in range(3)] == [
+        stream.sample(group)[0].tolist() for group in range(3)
+    ]
 
 
 def test_teacher_samples_depend_on_no_batch_size(llama):

@@ -2,17 +2,18 @@
 fit, the held-out measurements and the teacher's sampling run there too, not only the Trainer's steps. CI has no GPU,
 so these tests are skipped there; on a machine with one: `python -m pytest tests/test_heal_gpu.py`."""
 
+import itertools
+
 import pytest
 import torch
-from transformers import AutoTokenizer, LogitsProcessorList
+from transformers import AutoTokenizer
 
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
 from hf_normswap.heal import HealOptions
-from hf_normswap.heal.data import sampled_together, teacher_samples
+from hf_normswap.heal.data import TeacherSamples, groups_at_once, sampled_together
 from hf_normswap.heal.models import load_models
 from hf_normswap.heal.options import FITTED_DEFAULTS
-from hf_normswap.probes.sampling import InverseCdfSampling
 
 from helpers import save_source
 
@@ -39,19 +40,19 @@ def test_unsharded_models_load_onto_the_gpu(llama):
     assert {parameter.device for parameter in models.teacher.parameters()} == {GPU}
 
 
-def test_a_gpu_samples_1024_texts_a_seeded_group(llama):
-    teacher = load_unswapped(str(llama / "llama"), head="causal-lm").to(GPU)
+def test_a_gpu_samples_the_texts_a_cpu_samples(llama):
+    """The GPU samples 1,024 texts at once, 68 groups of 15 here, from the draws a CPU takes a group at a time: the
+    same texts but where the GPU's rounding moves a draw across a token's edge."""
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
-    rows = teacher_samples(teacher, tokenizer, HealOptions(data="teacher", sample_count=1030, sample_length=10))
-    assert sampled_together(teacher) == 1024 and len({tuple(row) for row in rows["input_ids"]}) == 1030
-    with torch.random.fork_rng(devices=[GPU]):
-        torch.manual_seed(0)  # the first group's seed
-        bos = torch.full((1024, 1), tokenizer.bos_token_id, device=GPU)
-        sampling = LogitsProcessorList([InverseCdfSampling(1.0)])
-        settings = dict(do_sample=False, logits_processor=sampling, max_new_tokens=10, min_new_tokens=10)
-        sampled = teacher.generate(bos, attention_mask=torch.ones_like(bos), **settings).tolist()
-    expected = [text[1:] if i % 2 else text[:-1] for i, text in enumerate(sampled)]
-    assert rows["input_ids"][:1024] == expected
+    options = HealOptions(data="teacher", sample_length=10, max_steps=4, batch_size=3)
+    texts = {}
+    for device in ("cpu", GPU):
+        teacher = load_unswapped(str(llama / "llama"), head="causal-lm").to(device)
+        stream = TeacherSamples(teacher, start=tokenizer.bos_token_id, pad=0, options=options, states=False)
+        texts[device] = [row["input_ids"] for row in itertools.islice(stream.first_readings(), 2 * 1020)]
+    assert groups_at_once(teacher, sampled_together(teacher, options)) == 68
+    same = sum(cpu == gpu for cpu, gpu in zip(texts["cpu"], texts[GPU], strict=True))
+    assert same >= 0.99 * 2 * 1020 and len({tuple(text) for text in texts[GPU]}) == 2 * 1020
 
 
 def test_a_healing_fits_and_trains_on_the_gpu(llama):

@@ -13,7 +13,7 @@ from datasets import Dataset, load_dataset
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
 from ..devices import compute_device
-from ..probes.sampling import continue_texts, seeded, start_token
+from ..probes.sampling import continue_texts, start_token, uniform_draws
 from ..sharding import from_main_process, loads_weights, process_share, sharded
 from ..tasks import GLUE_TASKS, load_task
 from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
@@ -135,14 +135,12 @@ CPU_SAMPLING_WORK = 256 * 134_515_008  # texts x teacher parameters a decoding s
 
 
 def sampled_together(teacher: torch.nn.Module, options: HealOptions | None = None) -> int:
-    """How many texts one seeded generation of `teacher` samples, whatever the process count: 1024 on an
-    accelerator, whose decoding steps wait on Python. On a CPU, at most as many as give a decoding step the work of
-    SmolLM2-135M's 256 texts (texts x parameters; its groups of 64 sample a text 1.1 to 1.4 times slower), in powers of
-    two from 64 to 1024, since a smaller model's steps wait on Python more than on arithmetic; where `options` say how
-    many texts the healing reads (`_texts_read`), as few as cover them in that many groups, so that fewer than one
-    text a group goes unread (measured: docs/experiments/healing.md)."""
-    if compute_device(teacher).type != "cpu":
-        return 1024
+    """How many texts a seeded group of `teacher`'s samples holds, whatever the device and the process count: at most
+    as many as give a CPU's decoding step the work of SmolLM2-135M's 256 texts (texts x parameters; its groups of 64
+    sample a text 1.1 to 1.4 times slower), in powers of two from 64 to 1024, since a smaller model's steps wait on
+    Python more than on arithmetic; where `options` say how many texts the healing reads (`_texts_read`), as few as
+    cover them in that many groups, so that fewer than one text a group goes unread (measured:
+    docs/experiments/healing.md). An accelerator samples several groups at once (`groups_at_once`)."""
     parameters = sum(parameter.numel() for parameter in teacher.parameters())
     most = min(1024, max(64, 2 ** int(math.log2(CPU_SAMPLING_WORK / parameters))))
     texts = None if options is None else _texts_read(options)
@@ -151,6 +149,15 @@ def sampled_together(teacher: torch.nn.Module, options: HealOptions | None = Non
     reads = options.sample_reads
     groups = next(count for count in itertools.count(1) if most * _group_readings(count, reads) >= texts)
     return math.ceil(texts / _group_readings(groups, reads))
+
+
+ACCELERATOR_TEXTS = 1024  # texts an accelerator samples at once, whose decoding steps wait on Python
+
+
+def groups_at_once(teacher: torch.nn.Module, together: int) -> int:
+    """How many groups of `together` texts `teacher` samples in one generation: one on a CPU, else as many as fit in
+    ACCELERATOR_TEXTS; the texts are the same either way, each drawn from its own row of its group's draws."""
+    return 1 if compute_device(teacher).type == "cpu" else max(1, ACCELERATOR_TEXTS // together)
 
 
 def _texts_read(options: HealOptions) -> int | None:
@@ -173,8 +180,8 @@ DEVELOPMENT_GROUP = 2**31 - 1  # the seed of the development texts' group, which
 
 class TeacherSamples(torch.utils.data.IterableDataset):
     """An endless stream of texts of `length` tokens sampled from a causal-LM teacher at `temperature`,
-    `sampled_together` at a time; each group seeded by its index (the global generator is left as it was), so that a
-    run can be reproduced whatever its process count. Each text is read `sample_reads` times: a group's first reading,
+    `sampled_together` a group, each group's draws seeded by its index (`uniform_draws`), so that a run can be
+    reproduced whatever its device and process count. Each text is read `sample_reads` times: a group's first reading,
     then the earlier groups' next readings, each in a seeded order. Every second text is sampled without the token
     `start`, from a first token drawn after it, so that the student learns both ways a text reaches the model: after
     BOS (a chat template) and without it (a tokenizer that adds none). With `states`, each text comes with the states
@@ -208,9 +215,11 @@ class TeacherSamples(torch.utils.data.IterableDataset):
 
     def _groups(self):
         """(index, texts, states) of every group in turn, those the layers' fit reads kept as they are sampled."""
-        fitted = self.options.fit_texts
+        fitted, ahead, at_once = self.options.fit_texts, {}, groups_at_once(self.teacher, self.together)
         for group in itertools.count():
-            ids, states = self.kept[group] if group in self.kept else self.sample(group)
+            if group not in self.kept and group not in ahead:
+                ahead = self._sample(range(group, group + at_once), self.together)
+            ids, states = self.kept[group] if group in self.kept else ahead.pop(group)
             if group * self.together < fitted:
                 self.kept[group] = ids, states
             yield group, ids, states
@@ -225,24 +234,34 @@ class TeacherSamples(torch.utils.data.IterableDataset):
 
     def sample(self, group: int, texts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The group's texts (`texts`, else `together`, x length) and, with `states`, the teacher's states on them
-        (texts x boundaries x length x hidden). Sampling one token more than the texts hold runs the teacher on every
-        token they do hold."""
+        (texts x boundaries x length x hidden)."""
+        return self._sample([group], self.together if texts is None else texts)[group]
+
+    def _sample(self, groups, texts: int) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+        """`groups` of `texts` texts each, sampled in one generation: each text from its row of its group's draws
+        (`uniform_draws` seeded by the group's index), every second one of a group from the token drawn after `start`,
+        without it. Sampling one token more than the texts hold runs the teacher on every token they do hold."""
         options, device = self.options, compute_device(self.teacher)
         sampling = dict(temperature=options.sample_temperature, pad=self.pad)
-        with seeded(self.teacher, group):
-            starts = torch.full((self.together if texts is None else texts, 1), self.start, device=device)
-            after = starts[1::2]  # these texts begin with the token drawn after `start`, without it
-            after[:] = continue_texts(self.teacher, after, 1, **sampling, states=False).sequences[:, 1:]
-            sampled = continue_texts(self.teacher, starts, options.sample_length, **sampling, states=self.states)
-        ids = sampled.sequences[:, :-1].cpu()
-        if not self.states:
-            return ids, None
-        steps = sampled.hidden_states  # per decoding step, per boundary: texts x new tokens x hidden
+        draws = torch.cat([uniform_draws(group, texts, 1 + options.sample_length) for group in groups])
+        after = torch.arange(len(draws)) % texts % 2 == 1
+        starts = torch.full((len(draws), 1), self.start, device=device)
+        first = continue_texts(self.teacher, starts[after.to(device)], draws[after, :1], **sampling, states=False)
+        starts[after.to(device)] = first.sequences[:, 1:]
+        sampled = continue_texts(self.teacher, starts, draws[:, 1:], **sampling, states=self.states)
+        ids = sampled.sequences[:, :-1].cpu().split(texts)
+        states = self._states(sampled.hidden_states).split(texts) if self.states else [None] * len(ids)
+        return dict(zip(groups, zip(ids, states)))
+
+    @staticmethod
+    def _states(steps) -> torch.Tensor:
+        """The states of a generation's steps (per step, per boundary: texts x new tokens x hidden) as one tensor:
+        texts x boundaries x tokens x hidden."""
         first, positions = steps[0][0], sum(step[0].shape[1] for step in steps)
         states = first.new_empty(len(first), len(steps[0]), positions, first.shape[-1])
         for boundary, by_step in enumerate(zip(*steps)):
             torch.cat(by_step, 1, out=states[:, boundary])  # one copy, into place
-        return ids, states.cpu()
+        return states.cpu()
 
 
 class SampledTexts(torch.utils.data.IterableDataset):
@@ -272,8 +291,9 @@ def sampled_by_main_process(sample: Callable[[], torch.Tensor], shape: tuple, op
 
 def sampled_ahead(stream: TeacherSamples, texts: int, options: HealOptions) -> SampledTexts:
     """The first `texts` texts of `stream` in the order it reads them, and the first readings the layers' fit reads,
-    sampled now (`sampled_by_main_process`, on the main process's CPU): a sharded healing on CPU trains on them as one
-    process trains on its stream; on GPUs one process samples other draws (groups of 1,024, the GPU's generator)."""
+    sampled now (`sampled_by_main_process`, on the main process's CPU): a sharded healing trains on them as one
+    process trains on its stream, the same texts on any device but where its rounding moves a draw across a token's
+    edge."""
     fitted = options.fit_texts
 
     def sample() -> torch.Tensor:
@@ -318,8 +338,8 @@ def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -
     sampled once (when sharded, by the main process, which alone holds the teacher's weights, for every process), or
     else an endless stream (`TeacherSamples`). On a CPU, in one process, the stream's texts come with the teacher's
     states on them: there the teacher's forward took a seventh of a healing step; on an accelerator it is cheap, and
-    the states of a group of 1,024 texts would take gigabytes of its memory. A sharded healing samples the stream's
-    texts ahead (`sampled_ahead`), without the states, which the sharded teacher computes again."""
+    the states of the 1,024 texts it samples at once would take gigabytes of its memory. A sharded healing samples
+    the stream's texts ahead (`sampled_ahead`), without the states, which the sharded teacher computes again."""
     if not callable(getattr(teacher, "generate", None)):
         raise HealError("--data teacher needs a teacher that generates (a causal LM); the teacher has no such head")
     start = start_token(tokenizer, teacher.config)

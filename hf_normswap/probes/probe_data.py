@@ -7,7 +7,7 @@ import torch
 
 from ..devices import compute_device
 from ..tasks import DATA_DIR
-from .sampling import continue_texts, seeded, start_token
+from .sampling import continue_texts, start_token, uniform_draws
 
 
 PROBE_SIZE = 64
@@ -60,15 +60,14 @@ def probe_batches(
 
 def sampled_batches(model: torch.nn.Module, tokenizer, count: int = 16, length: int = 128, seed: int = 0) -> list:
     """`count` texts of `length` tokens sampled from the causal LM `model` at temperature 1 from BOS (else EOS, else
-    token 0), one batch, the same for a seed, no longer than the model's positions; the global generator is left as it
-    was."""
+    token 0), one batch, the same for a seed on every device, no longer than the model's positions."""
     config = model.config
     length = min(length, config.max_position_embeddings - getattr(config, "position_offset", 0))
     start = start_token(tokenizer, config)
     start = 0 if start is None else start
-    with seeded(model, seed):
-        starts = torch.full((count, 1), start, device=compute_device(model))
-        ids = continue_texts(model, starts, length - 1, temperature=1.0, pad=start, states=False).sequences.cpu()
+    starts = torch.full((count, 1), start, device=compute_device(model))
+    draws = uniform_draws(seed, count, length - 1)
+    ids = continue_texts(model, starts, draws, temperature=1.0, pad=start, states=False).sequences.cpu()
     return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
 
 
