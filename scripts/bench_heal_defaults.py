@@ -6,7 +6,8 @@ With `--placements post sandwich ...`, each placement is converted and healed so
 each placement's KL is printed over the first's (target for sandwich and output over post: <= 1.25).
 
     python scripts/bench_heal_defaults.py MODEL [MODEL ...] [--sweep] [--max-tokens N] [--batch-sizes 8 32]
-        [--placements post sandwich] [--heal-option reconstruct_steps=0 ...] [--json F]
+        [--learning-rates 1e-5 3e-5 ...] [--placements post sandwich] [--heal-option reconstruct_steps=0 ...]
+        [--json F]
 
 MODEL: a folder of a LLaMA-family causal LM (e.g. from scripts/pretrain_small_llama.py), or smollm2. Prints, per
 model, each healing's KL, top-1 agreement, KL by position, steps, seconds, and the defaults' KL over the sweep's best
@@ -93,6 +94,7 @@ def bench(
     work: Path,
     max_tokens: int | None,
     batch_sizes: list[int],
+    learning_rates: list[float],
     placements: list[str],
     heal_options: dict,
 ) -> dict:
@@ -121,7 +123,7 @@ def bench(
         row["sweep"] = []
         if sweep and placement == placements[0]:  # the defaults' budget: the tokens they trained on, the fit too
             for batch in batch_sizes:
-                for rate in LEARNING_RATES:
+                for rate in learning_rates:
                     tokens = defaults["tokens"]
                     options = dict(learning_rate=rate, batch_size=batch, max_tokens=tokens, stop_patience=0)
                     swept = heal_once(source, converted, work / "swept", batches, **options)
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES), help="the sweep's")
+    parser.add_argument("--learning-rates", type=float, nargs="+", default=list(LEARNING_RATES), help="the sweep's")
     parser.add_argument("--placements", nargs="+", default=["post"], help="converted to and healed, the first swept")
     parser.add_argument("--heal-option", action="append", default=[], help="NAME=VALUE, the first healings'")
     parser.add_argument("--json")
@@ -167,7 +170,8 @@ def main() -> None:
     results = []
     for model in args.models:
         with tempfile.TemporaryDirectory() as folder:
-            bench_args = (args.sweep, Path(folder), args.max_tokens, args.batch_sizes, args.placements, heal_options)
+            grid = (args.batch_sizes, args.learning_rates)
+            bench_args = (args.sweep, Path(folder), args.max_tokens, *grid, args.placements, heal_options)
             results.append(bench(model, *bench_args))
     rate = max(rate, _matrix_product_rate())
     print(f"this CPU's float32 matrix products, after: {rate / 1e9:.0f} GFLOP/s")
