@@ -76,6 +76,11 @@ def test_norm_free_conversion_records_what_it_removed(norm_free, family):
     assert len(removed) == 5 and all(value > 0 for value in removed)
     record = ConversionRecord.read(folder)
     assert record.calibration.removed_norm_rms == removed
+    input_norms = ("ln_1", "ln_2") if family == "gpt2" else ("input_layernorm", "post_attention_layernorm")
+    pattern = r"(?:model\.layers|transformer\.h)\.(\d)\.(\w+)\.(?:weight|bias)"
+    folded = {re.fullmatch(pattern, name).groups() for name in record.weights.folded}
+    assert folded == {(str(layer), norm) for layer in range(2) for norm in input_norms}
+    assert record.weights.dropped == []  # folded into the layers reading the stream, not dropped
     assert record.calibration.data == "16 texts of 64 tokens sampled from the source"  # the tiny sources' 64 positions
     source = load_unswapped(str(norm_free / family), head="causal-lm")
     model = HEAD_CLASSES["causal-lm"].from_pretrained(folder)
@@ -266,6 +271,7 @@ def test_norm_free_card_says_what_was_removed_and_how_to_load_it_natively(norm_f
         f"{max(removed):.3g})"
     ) in str(card)
     assert "`hf-normswap export-native` writes it as its family's own class" in str(card)
+    assert "Not carried over" not in str(card)  # its folded norms were not dropped
 
 
 def test_a_healed_norm_free_export_uploads_with_a_card_of_its_own(norm_free, tmp_path):

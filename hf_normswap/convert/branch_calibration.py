@@ -51,6 +51,13 @@ def calibrates_branches(plain: NormSwapConfig, target: NormSwapConfig) -> bool:
     return bool(placements & {"sandwich", "output", "none"}) and not branch_calibration_blockers(plain, target)
 
 
+def folds_input_norms(plain: NormSwapConfig, target: NormSwapConfig) -> bool:
+    """Whether the calibrated swap from `plain` to `target` folds the source's input norms into the layers reading a
+    stream that no norm reads (`output`, `none`)."""
+    bare = any("input_norm" not in NORM_PLACEMENTS[placement] for placement in target.layer_norm_placements)
+    return bare and calibrates_branches(plain, target)
+
+
 def branch_calibration_blockers(plain: NormSwapConfig, target: NormSwapConfig) -> list[str]:
     """What keeps the swap from `plain` to `target` from being calibrated at the branch norms, said for an error."""
     placements = set(target.layer_norm_placements)

@@ -16,7 +16,7 @@ from ..memory import available_memory, peak_memory, release_freed_memory
 from ..model import copy_remote_code
 from ..model.heads import HEAD_CLASSES
 from ..records import JsonRecord, from_fields
-from .branch_calibration import calibrates_branches
+from .branch_calibration import calibrates_branches, folds_input_norms
 from .calibration import CalibrationRecord, calibrate_checkpoint, calibrated_sublayers, write_back
 from .gguf import local_checkpoint, shipped_model
 from .norm_mapping import norm_slots
@@ -279,6 +279,8 @@ def _calibrate(
         model=load_written(staging, plan.head, low_memory),
     )
     weights.mark_calibrated(calibrated)
+    if folds_input_norms(plan.plain, plan.target):
+        weights.mark_folded()
     return plain_model, calibration
 
 

@@ -3,7 +3,7 @@
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,9 @@ _INPUT_NORM = re.compile(r"model\.layers\.(\d+)\.(?:attention|mlp)_norms\.input_
 _HEAD_MODULES = ("classifier.", "pooler.", "head.", "qa_outputs.", "lm_head.")
 
 
+NO_SLOT = "a norm without a slot under the new placement"
+
+
 @dataclass
 class WeightsRecord:
     """What was written: the files, the source tensors left out, and the target tensors the source had not."""
@@ -32,6 +35,13 @@ class WeightsRecord:
     initialized: list[str]
     initialized_at_load: list[str]
     dtype: str
+    folded: list[str] = field(default_factory=list)  # the source's norms folded into the layers reading the stream
+
+    def mark_folded(self) -> None:
+        """Moves the norms left without a slot from `dropped` to `folded`: calibration folded them into the layers
+        reading the stream (out of pre-LN into `output` or `none`)."""
+        self.folded = [entry.removesuffix(f" ({NO_SLOT})") for entry in self.dropped if entry.endswith(f"({NO_SLOT})")]
+        self.dropped = [entry for entry in self.dropped if not entry.endswith(f"({NO_SLOT})")]
 
     def mark_calibrated(self, names: set[str]) -> None:
         """Lists the tensors of `names` that started at identity as calibrated."""
@@ -105,7 +115,7 @@ def _target_tensors(plan: ConversionPlan, dropped: list[str]) -> Iterator[tuple[
                 norm, parameter = name.rsplit(".", 1)
                 if norm in plain_norms:
                     if norm not in moved_norms:
-                        dropped.append(f"{source_name} (a norm without a slot under the new placement)")
+                        dropped.append(f"{source_name} ({NO_SLOT})")
                         continue
                     name = f"{moved_norms[norm]}.{parameter}"
                 scale = _depth_scale(plan, name)
