@@ -4,7 +4,7 @@ sampled from a causal-LM teacher."""
 import collections
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,7 +237,7 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         (texts x boundaries x length x hidden)."""
         return self._sample([group], self.together if texts is None else texts)[group]
 
-    def _sample(self, groups, texts: int) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    def _sample(self, groups: Sequence[int], texts: int) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
         """`groups` of `texts` texts each, sampled in one generation: each text from its row of its group's draws
         (`uniform_draws` seeded by the group's index), every second one of a group from the token drawn after `start`,
         without it. Sampling one token more than the texts hold runs the teacher on every token they do hold."""
