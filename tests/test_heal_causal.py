@@ -609,8 +609,8 @@ def test_a_healing_samples_the_texts_it_reads(llama, monkeypatch):
 
 def test_teacher_samples_are_the_same_however_many_groups_are_sampled_at_once(llama, monkeypatch):
     """An accelerator samples several groups in one generation (`groups_at_once`); each text comes from its own row
-    of its group's draws, so the stream's texts, its development texts and the held-out texts are those a CPU samples
-    a group at a time. The group's size depends on the model and the texts read, not on the device."""
+    of its group's draws, so the stream's texts are those a CPU samples a group at a time. The group's size depends
+    on the model and the texts read, not on the device."""
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
     options = HealOptions(data="teacher", sample_length=10, max_steps=4, batch_size=3, sample_reads=2)
