@@ -15,7 +15,6 @@ the same.
 """
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from hf_normswap import smollm2_gguf
 from hf_normswap.probes.probe_data import sampled_batches
+from hf_normswap.tasks import load_task
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<pad>"]  # EOS, BOS, padding
@@ -51,9 +51,10 @@ def glue_corpus(path: Path, glue: Path, words: int = 48) -> list[str]:
     """The SST-2 and RTE training texts in `glue`, joined into lines of about `words` words (written to `path`, read
     back from it if it exists)."""
     if not path.exists():
-        texts = [json.loads(row)["sentence"] for row in (glue / "sst2" / "train.jsonl").read_text().splitlines()]
-        for row in (glue / "rte" / "train.jsonl").read_text().splitlines():
-            texts += [json.loads(row)["sentence1"], json.loads(row)["sentence2"]]
+        texts = []
+        for name in ("sst2", "rte"):
+            task = load_task(name, data_dir=str(glue))
+            texts += [row[column] for row in task.data["train"] for column in task.text_columns]
         lines, line = [], []
         for text in texts:
             line += text.split()

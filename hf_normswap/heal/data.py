@@ -245,9 +245,9 @@ class TeacherSamples(torch.utils.data.IterableDataset):
         sampling = dict(temperature=options.sample_temperature, pad=self.pad)
         draws = torch.cat([uniform_draws(group, texts, 1 + options.sample_length) for group in groups])
         after = torch.arange(len(draws)) % texts % 2 == 1
-        starts = torch.full((len(draws), 1), self.start, device=device)
-        first = continue_texts(self.teacher, starts[after.to(device)], draws[after, :1], **sampling, states=False)
-        starts[after.to(device)] = first.sequences[:, 1:]
+        starts, rows = torch.full((len(draws), 1), self.start, device=device), after.to(device)
+        first = continue_texts(self.teacher, starts[rows], draws[after, :1], **sampling, states=False)
+        starts[rows] = first.sequences[:, 1:]
         sampled = continue_texts(self.teacher, starts, draws[:, 1:], **sampling, states=self.states)
         ids = sampled.sequences[:, :-1].cpu().split(texts)
         states = self._states(sampled.hidden_states).split(texts) if self.states else [None] * len(ids)
