@@ -182,8 +182,10 @@ def check_output(output: str | os.PathLike, overwrite: bool) -> Path:
 
 @contextlib.contextmanager
 def output_folder(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
-    """A temporary folder beside `output` that becomes `output` only if the block succeeds."""
+    """A temporary folder beside `output` that becomes `output` only if the block succeeds (else the folders made
+    for it are removed too)."""
     output = check_output(output, overwrite)
+    made = [parent for parent in output.parents if not parent.exists()]  # the innermost first
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
@@ -196,6 +198,9 @@ def output_folder(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
         os.replace(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        for parent in made:
+            with contextlib.suppress(OSError):  # one that holds something else now stays
+                parent.rmdir()
         raise
 
 

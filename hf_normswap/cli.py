@@ -233,16 +233,20 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
 
 
 def _processes(args) -> int:
+    """The processes `--plan` plans for; `--processes` without `--plan` is refused."""
+    if args.processes and not args.plan:
+        raise ValueError(f"--processes {args.processes} is invalid without --plan: a launch runs its own processes")
     return args.processes or int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _run_heal(args) -> None:
+    processes = _processes(args)
     if args.plan:
         from .heal.plan import heal_plan
         from .sharding import describe_plan
 
         options = HealOptions(**with_sharding_section(given(args, HealOptions)))
-        print(describe_plan(heal_plan(args.variant, options, _processes(args))))
+        print(describe_plan(heal_plan(args.variant, options, processes)))
         return
     from .heal import heal_checkpoint
 
@@ -273,6 +277,7 @@ def _add_compare(commands) -> None:
 def _run_compare(args) -> None:
     from .compare import run_comparison
 
+    processes = _processes(args)
     options = given(args, Experiment)
     base = args.config or (DEFAULT_EXPERIMENT if args.model is None else None)
     experiment = Experiment.from_file(base, **options) if base else Experiment(**with_sharding_section(options))
@@ -281,7 +286,7 @@ def _run_compare(args) -> None:
         from .sharding import describe_plan
 
         experiment.validate()
-        print(describe_plan(comparison_plan(experiment, _processes(args))))
+        print(describe_plan(comparison_plan(experiment, processes)))
         return
     document = run_comparison(experiment)
     if document is not None:

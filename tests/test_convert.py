@@ -452,6 +452,8 @@ def test_failed_verification_leaves_nothing(tmp_path, monkeypatch, capsys):
     assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "out")]) == 1
     assert "verification failed" in capsys.readouterr().err
     no_leftovers(tmp_path, tmp_path / "out")
+    assert cli(["convert", str(tmp_path / "source"), str(tmp_path / "new" / "deeper" / "out")]) == 1
+    assert os.listdir(tmp_path) == ["source"]  # the folders made for OUTPUT removed too
 
 
 def test_bad_options_are_refused(tmp_path):

@@ -276,7 +276,8 @@ def test_packed_healing_is_padded_healing(tmp_path, objective):
 def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path, monkeypatch):
     """The student is measured as training begins and every step here (5 steps): a healing interrupted after the
     checkpoint of step 3 resumes from it with the figures measured until then (kept beside the checkpoints), and
-    reports what an uninterrupted one does (before, history and after) within 1e-5."""
+    reports what an uninterrupted one does (before, history and after) within 1e-5; once OUTPUT is written, what it
+    kept there is removed, and nothing else."""
     from hf_normswap.heal import healing
 
     settings = dict(HEAL, max_steps=5, data=str(variant / "text.txt"), objective="hidden")
@@ -291,7 +292,9 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
         heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
     assert not (tmp_path / "resumed").exists()
     figures.write_text(kept)
+    (tmp_path / "checkpoints" / "notes.txt").write_text("the user's")
     resumed = heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
+    assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["notes.txt"]  # what the healing kept, gone
     assert resumed["resumed"] and not whole["resumed"]
     assert resumed["before"] == whole["before"]  # measured once, before the interruption
     assert resumed["tokens"] == whole["tokens"] > 0  # counted before the interruption too

@@ -46,6 +46,11 @@ def test_heal_plan_counts_the_student_and_its_teacher_without_loading_them(tmp_p
     assert main(["heal", str(tmp_path / "post"), str(tmp_path / "out"), "--plan", "--processes", "2", "--fsdp"]) == 0
     assert capsys.readouterr().out.strip() == describe_plan(plan)
     assert not (tmp_path / "out").exists()
+    assert main(["heal", str(tmp_path / "post"), str(tmp_path / "out"), "--processes", "2"]) == 1  # nothing to plan
+    assert capsys.readouterr().err.strip() == (
+        "hf-normswap heal: error: --processes 2 is invalid without --plan: a launch runs its own processes"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_heal_plan_of_one_process_is_not_sharded_and_counts_lora_norms_only(tmp_path):

@@ -18,9 +18,9 @@ from transformers import TrainingArguments
 
 from hf_normswap import heal_checkpoint
 from hf_normswap.cli import main as cli
-from hf_normswap.heal.options import CAUSAL_SCALING
+from hf_normswap.heal.options import CAUSAL_SCALING, HealError, HealOptions
 from hf_normswap.sharding import ShardingOptions, fsdp, launch_training_arguments, options, trainer_bridge
-from hf_normswap.sharding.options import ShardingError
+from hf_normswap.sharding.options import ShardingError, with_sharding_section
 
 from helpers import (
     TOLERANCE,
@@ -245,7 +245,8 @@ def test_sharding_options_are_checked(variants, tmp_path, capsys):
     arguments = ["heal", str(variants / "tied" / "variant"), str(tmp_path / "out"), "--fsdp", "--lora"]
     assert cli(arguments) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        "hf-normswap heal: error: lora=True is invalid: adapters are not sharded (fsdp=True); heal with one of them"
+        "hf-normswap heal: error: lora=True is invalid: adapters are not sharded (fsdp=True), with or without a "
+        "distributed launch; give one of them"
     ]
     assert not (tmp_path / "out").exists()
 
@@ -279,7 +280,8 @@ def test_bf16_on_a_cpu_without_bfloat16_arithmetic_warns(monkeypatch):
 def test_the_fsdp_config_decides_who_reads_the_trained_model(tmp_path, monkeypatch):
     """Read as the Trainer reads it (an `fsdp_` prefix dropped, flags as accelerate parses them), the `fsdp_config`
     file decides whether accelerate hands the trained model's weights out (by default it does), and so whether the
-    other processes read it; turned off against the launch's configuration, it is refused."""
+    other processes read it; turned off against the launch's configuration, it is refused, and turned off, so is the
+    layer fit, which the main process alone runs."""
     cases = [
         ({"version": 2}, True),
         ({"fsdp_cpu_ram_efficient_loading": False}, False),
@@ -301,6 +303,11 @@ def test_the_fsdp_config_decides_who_reads_the_trained_model(tmp_path, monkeypat
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
     with pytest.raises(ShardingError, match="turns cpu_ram_efficient_loading off, the launch's accelerate"):
         fsdp.loads_weights(ShardingOptions(fsdp=True, fsdp_config=str(tmp_path / "1.json")), trained=True)
+    off = with_sharding_section(dict(fsdp=True, fsdp_config=str(tmp_path / "1.json")))
+    fit = "reconstruct_steps=60 is invalid: the main process alone fits the layers, and fsdp_config turns"
+    with pytest.raises(HealError, match=fit):  # the others would read the student the main process had not fitted
+        HealOptions(**off).for_head("causal-lm", out_of_pre_ln=True)  # the fit by default
+    assert HealOptions(**off, reconstruct_steps=0).for_head("causal-lm", out_of_pre_ln=True).reconstruct_steps == 0
 
 
 def test_fsdp_in_one_process_heals_unsharded(variants, tmp_path):

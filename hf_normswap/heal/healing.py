@@ -2,8 +2,8 @@
 
 The student learns from the teacher's hidden states on unlabeled text, through the Trainer (a `compute_loss`
 override), at every layer boundary (the objectives: `losses`; the two models: `models`). A healing reads as its
-steps: data -> trainer -> measure -> save. Which objective, learning rate, dropout and freezing are the defaults was
-measured on all-MiniLM-L6-v2 (post -> pre): docs/experiments/healing.md.
+steps: data -> trainer -> measure -> save. The defaults were measured on all-MiniLM-L6-v2 (post -> pre) for encoders,
+on SmolLM2-135M and three small LLaMAs (pre -> post) for causal LMs: docs/experiments/healing.md.
 """
 
 import contextlib
@@ -44,6 +44,7 @@ from ..sharding import (
     sharded,
     unsharded,
     with_sharding_section,
+    world_size,
 )
 from .data import HealTexts, TeacherSamples, heal_texts, sampled_ahead
 from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_layer_gates
@@ -69,6 +70,7 @@ from .trainer import (
     HealProbeCallback,
     HealTrainer,
     TimeBudget,
+    remove_checkpoints,
     training_arguments,
 )
 
@@ -126,7 +128,7 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         _save(models, source=Path(variant), staging=staging, report=report, main=main)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
     if options.checkpoint_dir and main:
-        shutil.rmtree(options.checkpoint_dir, ignore_errors=True)
+        remove_checkpoints(Path(options.checkpoint_dir))
     processes().wait_for_everyone()  # under a distributed launch, until the main process has written OUTPUT
     if log:
         log(report.summary())
@@ -369,7 +371,7 @@ def _head_figures(
     teacher's continuation of the prompts (`greedy`: prompts, the teacher's tokens; with a causal-LM head). The
     next-token distributions come from the teacher's boundary states and the student's `states` where given (both
     through their heads alone), else from the student's forward. `before` healing, with the student's `gates`,
-    also the KL with each layer alone swapped (`stream_mix.kl_by_layer`), on the first held-out batch."""
+    also the KL with each layer alone swapped (`stream_mix.kl_by_layer`), on the first `batch_size` held-out texts."""
     figures = {"masked_lm": None, "next_token": None}
     if models.masked_lm:
         figures["masked_lm"] = masked_lm_loss(student, batches, tokenizer)
@@ -384,8 +386,8 @@ def _head_figures(
         figures["next_token"] = agreement(teacher, given, batches) | {
             "greedy_agreement": greedy_agreement(expected, student, prompts)
         }
-        if before and gates is not None:  # two forwards a layer: on the first batch only
-            figures["next_token"]["kl_by_layer"] = kl_by_layer(models.teacher, student, gates, batches[:1])
+        if before and gates is not None:  # two forwards a layer: on a step's texts only, each process's share
+            figures["next_token"]["kl_by_layer"] = kl_by_layer(models.teacher, student, gates, batches[: world_size()])
     return figures
 
 

@@ -6,13 +6,13 @@ compared after a parameter-free layer norm; the final outputs are compared as th
 - `hidden`: mean squared error of those states, averaged over boundaries (plain layer-wise distillation);
 - `cka`: `hidden`, plus, at every boundary, 1 - linear CKA (Kornblith et al. 2019) of the batch's token states and
   1 - linear CKA of its first-token states (states centred over the batch);
-- `similarity` (default): `hidden`, plus, at every boundary, the mean squared error between the batch's matrices of
-  cosine similarities of first-token and of mean-pooled states (similarity-preserving distillation, Tung and Mori
-  2019): what differs between inputs has to come back, not only their common direction;
+- `similarity` (an encoder's default): `hidden`, plus, at every boundary, the mean squared error between the batch's
+  matrices of cosine similarities of first-token and of mean-pooled states (similarity-preserving distillation, Tung
+  and Mori 2019): what differs between inputs has to come back, not only their common direction;
 - `mlm`: `similarity`, plus the KL divergence of the masked-LM predictions on masked tokens (both need a masked-LM
   head);
 - `kl`: `hidden`, plus the KL divergence of the next-token distributions at every real token (both need a causal-LM
-  head): a language model's function is its next-token distribution.
+  head; a causal LM's default): a language model's function is its next-token distribution.
 """
 
 import torch

@@ -143,14 +143,19 @@ def resolve_teacher(variant: Path, teacher: str | None) -> str:
     return record.source.id
 
 
+def student_config(variant: str | Path) -> NormSwapConfig:
+    """VARIANT's configuration; refused in one line if it is not a NormSwap checkpoint."""
+    try:
+        return NormSwapConfig.from_pretrained(variant)
+    except (OSError, ValueError) as error:
+        raise HealError(f"{variant}: not a NormSwap checkpoint ({str(error).splitlines()[0]})") from None
+
+
 def _load_student(folder: Path, options: HealOptions, empty: bool = False) -> tuple[torch.nn.Module, dict]:
     """The variant with its own head class in the options' dtype (its trainable norms in float32), without dropout
     unless `dropout`, its embeddings frozen with `freeze_embeddings`, with adapters with `lora`; and its configured
-    dropout. With `empty`, its weights are not read (`empty_model`). Refused if it is not a NormSwap checkpoint."""
-    try:
-        config = NormSwapConfig.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        raise HealError(f"{folder}: not a NormSwap checkpoint ({str(error).splitlines()[0]})") from None
+    dropout. With `empty`, its weights are not read (`empty_model`)."""
+    config = student_config(folder)
     configured = {field: getattr(config, field) for field in DROPOUT_FIELDS}
     off = {} if options.dropout else {field: 0.0 for field, value in configured.items() if value is not None}
     dtype, head = getattr(torch, options.dtype), head_of_config(config)

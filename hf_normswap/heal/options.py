@@ -145,7 +145,8 @@ class HealOptions:
                 ),
             ),
             "help": "with --data teacher and no --sample-count: read each sampled text this many times, each reading "
-            "after the next group's first, in a seeded order (on a CPU a second reading runs no teacher)",
+            "after the next group's first, in a seeded order (in one process on a CPU a second reading runs no "
+            "teacher)",
         },
     )
     reconstruct_steps: int | None = field(
@@ -161,6 +162,11 @@ class HealOptions:
                     lambda value, options: not value or options.swap_schedule == "direct",
                     "the fit needs swap_schedule='direct': a gradual swap starts from the source's function, which "
                     "fitted layers no longer compute",
+                ),
+                Rule(
+                    lambda value, options: not value or options.sharding.reads_trained_once(),
+                    "the main process alone fits the layers, and fsdp_config turns cpu_ram_efficient_loading off, so "
+                    "the others would read the unfitted student: turn it on, or give 0",
                 ),
             ),
             "help": "out of pre-LN, before healing: fit each layer in turn to the teacher's stream after it, on the "
@@ -264,7 +270,11 @@ class HealOptions:
         default=256, metadata={"rules": (positive(),), "help": "held-out texts measured before, during and after"}
     )
     checkpoint_dir: str | None = field(
-        default=None, metadata={"help": "keep resumable Trainer checkpoints here; a rerun continues from the last"}
+        default=None,
+        metadata={
+            "help": "keep resumable Trainer checkpoints here; a rerun continues from the last; removed, and the "
+            "figures kept beside them, once the healing has written OUTPUT"
+        },
     )
     packing: bool = field(default=True, metadata={"help": "run student and teacher on padding-free batches"})
     dropout: bool = field(
@@ -277,7 +287,7 @@ class HealOptions:
             "rules": (
                 Rule(
                     lambda value, options: not (value and options.sharding.fsdp),
-                    "adapters are not sharded (fsdp=True); heal with one of them",
+                    "adapters are not sharded (fsdp=True), with or without a distributed launch; give one of them",
                 ),
             ),
             "help": "train low-rank adapters (PEFT) on the student's linear layers, and its norms, and merge them "

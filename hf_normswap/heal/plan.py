@@ -2,21 +2,17 @@
 
 from pathlib import Path
 
-from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import head_of_config
 from ..sharding import MemoryPlan, plan_memory
-from .models import resolve_teacher, source_config
-from .options import HealError, HealOptions
+from .models import resolve_teacher, source_config, student_config
+from .options import HealOptions
 
 
 def heal_plan(variant: str, options: HealOptions, processes: int) -> MemoryPlan:
     """The per-process memory of healing VARIANT with `options` on `processes` processes: the student's weights,
     gradients and AdamW states (its embeddings frozen with `freeze_embeddings`, only its norms trained with `lora`:
     the adapters are not counted) and the teacher's weights."""
-    try:
-        student = NormSwapConfig.from_pretrained(variant)
-    except (OSError, ValueError) as error:
-        raise HealError(f"{variant}: not a NormSwap checkpoint ({str(error).splitlines()[0]})") from None
+    student = student_config(variant)
     teacher = source_config(resolve_teacher(Path(variant), options.teacher))
     if head_of_config(teacher) != head_of_config(student):  # the teacher runs without a head then
         teacher.architectures = None
