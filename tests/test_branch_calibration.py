@@ -11,6 +11,7 @@ from hf_normswap.convert import load_unswapped
 from hf_normswap.convert.branch_calibration import calibrate_branches, calibrates_branches
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.heal import HealError
+from hf_normswap.heal import models as heal_models
 from hf_normswap.heal.gradual_swap import GradualSwap, conversion_layer_gates
 from hf_normswap.heal.options import FITTED_DEFAULTS
 from hf_normswap.heal.reconstruction import reconstruct_layers
@@ -213,7 +214,10 @@ def test_a_sandwich_conversion_heals_gradually(llama, tmp_path):
         ("sandwich-shifted", "layers", "swap_schedule='layers' needs a calibrated conversion out of pre-LN into "),
     ],
 )
-def test_gradual_swaps_that_cannot_start_at_the_source_are_refused(llama, tmp_path, variant, schedule, error):
+def test_gradual_swaps_that_cannot_start_at_the_source_are_refused(
+    llama, tmp_path, monkeypatch, variant, schedule, error
+):
+    monkeypatch.setattr(heal_models, "_load_student", lambda *args, **kwargs: pytest.fail("refused after loading"))
     with pytest.raises(HealError, match=f"^{re.escape(error)}"):
         heal_checkpoint(str(llama / variant), str(tmp_path / "healed"), swap_schedule=schedule, max_steps=2, log=None)
     assert not (tmp_path / "healed").exists()

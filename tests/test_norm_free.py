@@ -18,6 +18,7 @@ from hf_normswap.convert.constant_norms import CONSTANT_NORM_EPS, query_key_scal
 from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.export import export_native
 from hf_normswap.convert.options import ConversionError
+from hf_normswap.heal import models as heal_models
 from hf_normswap.heal.norm_removal import NormRemoval
 from hf_normswap.heal.options import HealError
 from hf_normswap.hub.card import build_card
@@ -479,7 +480,8 @@ def test_a_direct_healing_leaves_a_model_the_native_class_holds(norm_free, tmp_p
     assert export_native(str(tmp_path / "healed"), str(tmp_path / "native"), **QUIET)["family"] == "llama"
 
 
-def test_stage_schedules_refused_where_they_do_not_apply(norm_free, tmp_path):
+def test_stage_schedules_refused_where_they_do_not_apply(norm_free, tmp_path, monkeypatch):
+    monkeypatch.setattr(heal_models, "_load_student", lambda *args, **kwargs: pytest.fail("refused after loading"))
     with pytest.raises(HealError, match=r"^swap_schedule='taper' is invalid for a norm-free student: allowed are"):
         heal_checkpoint(str(norm_free / "gpt2-none"), str(tmp_path / "a"), swap_schedule="taper", log=None)
     assert not (tmp_path / "a").exists()
@@ -487,6 +489,12 @@ def test_stage_schedules_refused_where_they_do_not_apply(norm_free, tmp_path):
     with pytest.raises(HealError, match=r"^swap_schedule='stages' is for norm-free students"):
         heal_checkpoint(str(tmp_path / "post"), str(tmp_path / "b"), swap_schedule="stages", max_steps=2, log=None)
     assert not (tmp_path / "b").exists()
+    shutil.copytree(norm_free / "llama-none", tmp_path / "unrecorded")
+    config = json.loads((tmp_path / "unrecorded" / "config.json").read_text())
+    (tmp_path / "unrecorded" / "config.json").write_text(json.dumps({**config, "removed_norm_rms": None}))
+    with pytest.raises(HealError, match=r"^swap_schedule='gate' needs the removed_norm_rms a conversion records"):
+        heal_checkpoint(str(tmp_path / "unrecorded"), str(tmp_path / "c"), swap_schedule="gate", log=None)
+    assert not (tmp_path / "c").exists()
 
 
 def test_an_overflowing_norm_free_model_is_noticed():

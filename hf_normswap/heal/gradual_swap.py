@@ -12,10 +12,12 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ..convert.branch_calibration import removes_norms
 from ..convert.calibration import CalibrationRecord
 from ..convert.converter import ConversionRecord
 from ..model.configuration_normswap import NormSwapConfig
 from ..probes.stream_mix import LayerGates
+from .norm_removal import NORM_FREE_SCHEDULES
 from .options import HealError
 
 
@@ -24,16 +26,7 @@ class GradualSwap(TrainerCallback):
     them."""
 
     def __init__(self, model: nn.Module, gates: LayerGates, schedule: str, max_steps: int):
-        if schedule == "stages":
-            raise HealError("swap_schedule='stages' is for norm-free students (norm_placement 'none')")
-        if schedule == "taper" and gates.stream_rms is None:
-            raise HealError(
-                "swap_schedule='taper' is for a stream its norms write: sandwich's keeps each write's size"
-            )
-        try:
-            self.mix = gates.mix(model, per_token_stream=schedule == "taper")
-        except ValueError as error:
-            raise HealError(f"swap_schedule={schedule!r}: {error}") from None
+        self.mix = gates.mix(model, per_token_stream=schedule == "taper")
         self.schedule, self.opening_steps = schedule, max(1, max_steps // 2)
         self.settled_step = self.opening_steps  # from here the student computes its own function
 
@@ -73,3 +66,30 @@ def calibrated_out_of_pre_ln(variant: Path) -> bool:
     starts)."""
     calibration = _conversion_calibration(variant)
     return calibration is not None and bool(calibration.out_of_pre_ln or calibration.stream_rms)
+
+
+def check_swap_schedule(variant: Path, config: NormSwapConfig, schedule: str) -> None:
+    """Refuses in one line a gradual `schedule` that VARIANT (of `config`) cannot start from its source's function:
+    checked on its files, before any model loads."""
+    if schedule == "direct":
+        return
+    points = 2 * config.num_hidden_layers + 1  # per layer attention's and the MLP's, and the final norm
+    if removes_norms(config):
+        if schedule not in NORM_FREE_SCHEDULES:
+            allowed = ", ".join(["direct", *NORM_FREE_SCHEDULES])
+            raise HealError(f"swap_schedule={schedule!r} is invalid for a norm-free student: allowed are {allowed}")
+        if config.removed_norm_rms is None or len(config.removed_norm_rms) != points:
+            raise HealError(f"swap_schedule={schedule!r} needs the removed_norm_rms a conversion records, one a norm")
+        return
+    if schedule == "stages":
+        raise HealError("swap_schedule='stages' is for norm-free students (norm_placement 'none')")
+    gates = conversion_layer_gates(variant, config)
+    if gates is None:
+        raise HealError(
+            f"swap_schedule={schedule!r} needs a calibrated conversion out of pre-LN into post, pre_post, deepnorm or "
+            f"sandwich; {variant}'s conversion.json records none"
+        )
+    if schedule == "taper" and gates.stream_rms is None:
+        raise HealError("swap_schedule='taper' is for a stream its norms write: sandwich's keeps each write's size")
+    if gates.stream_rms is not None and len(gates.stream_rms) != points:
+        raise HealError(f"swap_schedule={schedule!r}: the recorded stream RMS does not fit the model's layers")

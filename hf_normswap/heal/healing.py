@@ -95,11 +95,6 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     gates = conversion_layer_gates(Path(variant), models.student.config)
     if options.swap_schedule == "direct" and removes_norms(models.student.config):
         models.student.config.first_position_scales = None  # every norm at once, the first position's divisors too
-    if options.swap_schedule != "direct" and not removes_norms(models.student.config) and gates is None:
-        raise HealError(
-            f"swap_schedule={options.swap_schedule!r} needs a calibrated conversion out of pre-LN into post, "
-            f"pre_post, deepnorm or sandwich; {variant}'s conversion.json records none"
-        )
     out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
     options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
     tokenizer = AutoTokenizer.from_pretrained(variant)
@@ -163,8 +158,6 @@ def _gradual_swap(
         return None
     if not removes_norms(student.config):
         return GradualSwap(student, gates, options.swap_schedule, options.max_steps)
-    if student.config.removed_norm_rms is None:
-        raise HealError(f"swap_schedule={options.swap_schedule!r} needs the removed_norm_rms a conversion records")
     rms = student.config.removed_norm_rms
     return NormRemoval(student, rms, options.swap_schedule, options.max_steps, development=development)
 

@@ -23,7 +23,7 @@ from ..model.configuration_normswap import NormSwapConfig
 from ..model.heads import HEAD_CLASSES, empty_model, head_of_config
 from ..model.norms_normswap import NormSwapDyT, NormSwapRMSNorm
 from ..sharding import loads_weights, processes, sharded
-from .gradual_swap import calibrated_out_of_pre_ln
+from .gradual_swap import calibrated_out_of_pre_ln, check_swap_schedule
 from .lora import merged, with_adapters
 from .options import HealError, HealOptions
 
@@ -67,13 +67,14 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
     if not (folder / "config.json").exists():
         raise HealError(f"{variant}: not a checkpoint folder (no config.json)")
     teacher_id = resolve_teacher(folder, options.teacher)
+    config = student_config(folder)
+    head = head_of_config(config)
+    options = options.for_head(head)
+    check_for_student(variant, config, options)
     dtype = getattr(torch, options.dtype)
     student, configured_dropout = _load_student(
         folder, options, empty=not loads_weights(options.sharding, trained=True)
     )
-    head = head_of_config(student.config)
-    options = options.for_head(head)
-    check_for_student(variant, options, head)
     teacher, masked_lm = _load_teacher(
         teacher_id,
         student_head=head,
@@ -98,9 +99,10 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
     )
 
 
-def check_for_student(variant: str, options: HealOptions, head: str) -> None:
-    """The options' rules that need the student VARIANT (its `head`, its conversion.json), with the defaults its
-    head gives (`for_head`); the rest are declared with the options."""
+def check_for_student(variant: str, config: NormSwapConfig, options: HealOptions) -> None:
+    """The options' rules that need the student VARIANT (its `config`, its conversion.json), with the defaults its
+    head gives (`for_head`), checked before it loads; the rest are declared with the options."""
+    head = head_of_config(config)
     if options.objective in LANGUAGE_OBJECTIVES and head != LANGUAGE_OBJECTIVES[options.objective]:
         needed = LANGUAGE_OBJECTIVES[options.objective].replace("-lm", "-LM")
         raise HealError(f"objective={options.objective!r} needs a {needed} student; {variant} has the {head!r} head")
@@ -111,6 +113,7 @@ def check_for_student(variant: str, options: HealOptions, head: str) -> None:
             f"reconstruct_steps={options.reconstruct_steps} needs a calibrated conversion out of pre-LN; "
             f"{variant}'s conversion.json records none"
         )
+    check_swap_schedule(Path(variant), config, options.swap_schedule)
 
 
 def layer_parameters(model: torch.nn.Module) -> int:

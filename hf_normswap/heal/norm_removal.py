@@ -21,7 +21,6 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
-from .options import HealError
 from .report import NormRemovalStage
 from .trainer import CheckpointedFigures, DevelopmentTexts
 
@@ -44,15 +43,8 @@ class NormRemoval(CheckpointedFigures):
         max_steps: int,
         development: DevelopmentTexts | None = None,
     ):
-        if schedule not in NORM_FREE_SCHEDULES:
-            raise HealError(
-                f"swap_schedule={schedule!r} is invalid for a norm-free student: allowed are "
-                f"{', '.join(['direct', *NORM_FREE_SCHEDULES])}"
-            )
         base = getattr(model, "get_base_model", lambda: model)().base_model  # through a PEFT wrapper
         points = [norms.input_norm for layer in base.layers for norms in (layer.attention_norms, layer.mlp_norms)]
-        if len(removed_rms) != len(points) + 1:
-            raise HealError("swap_schedule: the recorded removed_norm_rms does not fit the model's layers")
         self.layers, self.opening_steps = len(base.layers), max(1, max_steps // 2)
         self.removed_rms, self.kept = removed_rms, torch.zeros(len(points) + 1)
         self.centred, self.eps = base.config.norm_type == "layernorm", base.config.norm_eps
