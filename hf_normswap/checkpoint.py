@@ -175,6 +175,9 @@ def check_output(output: str | os.PathLike, overwrite: bool) -> Path:
         raise CheckpointError(f"{output}: is the working folder or contains it; choose a new folder to write")
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{output}: exists and is not a folder")
+    above = next(parent for parent in path.parents if parent.exists())
+    if not above.is_dir():
+        raise CheckpointError(f"{output}: {above} is a file, not a folder to write in")
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise CheckpointError(f"{output}: exists and is not empty; pass --overwrite to replace it")
     return path

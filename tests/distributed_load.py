@@ -17,7 +17,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from hf_normswap.compare.variants import Start, build_model
-from hf_normswap.heal.data import heal_texts
+from hf_normswap.heal.data import heal_texts, read_texts
 from hf_normswap.heal.models import load_models
 from hf_normswap.heal.options import HealOptions
 from hf_normswap.sharding import (
@@ -47,7 +47,8 @@ def load_and_shard(variant: Path) -> dict:
     )
     models = load_models(str(variant), options)
     loaded = {"student": holds_weights(models.student), "teacher": holds_weights(models.teacher)}
-    texts = heal_texts(options=options, tokenizer=AutoTokenizer.from_pretrained(variant), teacher=models.teacher)
+    tokenizer = AutoTokenizer.from_pretrained(variant)
+    texts = heal_texts(read_texts(options), options=options, tokenizer=tokenizer, teacher=models.teacher)
     start, empty = Start(kind="converted", path=str(variant)), not loads_weights(options.sharding, trained=True)
     loaded["compared"] = holds_weights(build_model(start, seed=0, num_labels=2, causal=True, empty=empty))
     prepare_trained(models.student, options.sharding)

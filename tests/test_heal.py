@@ -1,4 +1,6 @@
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.compare.report import collapse_report_lines as report_lines
 from hf_normswap.compare.report import summarize_collapse as summarize_runs
+from hf_normswap.heal import models as heal_models
 from hf_normswap.heal.data import load_texts
 from hf_normswap.heal.options import HealError
 from hf_normswap.model import REMOTE_CODE_FILES
@@ -108,7 +111,7 @@ def test_a_budget_in_tokens_sets_the_steps_of_any_student(variant, tmp_path):
     assert report["budget"]["tokens"] == 1000
 
 
-def test_heal_cli_bad_input(variant, tmp_path, capsys):
+def test_heal_cli_bad_input(variant, tmp_path, capsys, monkeypatch):
     pre, out = str(variant / "pre"), str(tmp_path / "out")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "blank.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": " "}) + "\n")
@@ -138,16 +141,24 @@ def test_heal_cli_bad_input(variant, tmp_path, capsys):
     cases = [
         ([str(no_record), out], "no conversion.json naming its source; pass --teacher"),
         ([pre, out, "--teacher", str(tmp_path / "wide")], "hidden_size 64 differs from the student's 32"),
-        ([pre, out, "--teacher", str(tmp_path / "opt")], "cannot be loaded as NormSwap"),
+        (
+            [pre, out, "--teacher", str(tmp_path / "opt")],
+            "model_type 'opt' is not supported; supported model types: bert",
+        ),
         ([pre, out, "--data", str(tmp_path / "empty.jsonl")], "is empty"),
         ([pre, out, "--data", str(tmp_path / "blank.jsonl")], "holds no tokens"),
         ([pre, out, "--max-steps", "0"], "max_steps=0 is invalid"),
         ([pre, str(tmp_path / "taken")], "exists and is not empty; pass --overwrite"),
         ([pre, out, "--objective", "mlm"], "needs a masked-LM student"),
+        ([pre, str(tmp_path / "taken" / "file" / "out")], f"{tmp_path / 'taken' / 'file'} is a file, not a folder"),
+        ([pre, out, "--checkpoint-dir", str(tmp_path / "taken" / "file")], "is invalid: a file; give a folder"),
     ]
     capsys.readouterr()
     for arguments, message in cases:
-        assert cli(["heal", *arguments, "--eval-size", "8"]) == 1
+        with monkeypatch.context() as patch:
+            if message != "holds no tokens":  # found by the tokenizer, after loading
+                patch.setattr(heal_models, "_load_student", lambda *args, **kwargs: pytest.fail("loaded"))
+            assert cli(["heal", *arguments, "--eval-size", "8"]) == 1
         error = capsys.readouterr().err.strip()
         assert len(error.splitlines()) == 1 and message in error, error
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
@@ -283,8 +294,21 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
     settings = dict(HEAL, max_steps=5, data=str(variant / "text.txt"), objective="hidden")
     whole = heal_checkpoint(str(variant / "pre"), str(tmp_path / "whole"), **settings)
     resumable = dict(settings, checkpoint_dir=str(tmp_path / "checkpoints"))
+    with interrupted(monkeypatch, healing, "HealTrainer", step=0):  # before any checkpoint: nothing stays
+        heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
+    assert not (tmp_path / "checkpoints").exists()
     with interrupted(monkeypatch, healing, "HealTrainer", step=3):  # after the checkpoints of steps 1 to 3
         heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
+    checkpoints = repr(str(tmp_path / "checkpoints"))
+    for other, differing in [(dict(max_steps=4), "max_steps"), (dict(learning_rate=2e-3), "learning_rate")]:
+        with pytest.raises(
+            HealError, match=re.escape(f"{checkpoints} holds another healing's checkpoints (differing: {differing}): ")
+        ):
+            heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **{**resumable, **other})
+    with pytest.raises(
+        HealError, match=re.escape("checkpoints (differing: the variant): give another folder, or empty")
+    ):
+        heal_checkpoint(str(shutil.copytree(variant / "pre", tmp_path / "pre")), str(tmp_path / "out"), **resumable)
     figures = tmp_path / "checkpoints" / "heal_probe.json"
     kept = figures.read_text()
     figures.unlink()  # as checkpoints of an older version: refused in one line, nothing written
@@ -292,6 +316,11 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
         heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
     assert not (tmp_path / "resumed").exists()
     figures.write_text(kept)
+    record = (tmp_path / "checkpoints" / "healing.json").read_text()
+    (tmp_path / "checkpoints" / "healing.json").unlink()
+    with pytest.raises(HealError, match=re.escape("checkpoints (no healing.json says whose): give another folder")):
+        heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
+    (tmp_path / "checkpoints" / "healing.json").write_text(record)
     (tmp_path / "checkpoints" / "notes.txt").write_text("the user's")
     resumed = heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
     assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["notes.txt"]  # what the healing kept, gone

@@ -18,11 +18,13 @@ from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.stream_calibration import calibrate_stream
 from hf_normswap.heal import HealError, HealOptions, losses
 from hf_normswap.heal import data as data_module
+from hf_normswap.heal import models as heal_models
 from hf_normswap.heal import trainer as trainer_module
 from hf_normswap.heal.data import (
     TEACHER_STATES,
     TeacherSamples,
     heal_texts,
+    read_texts,
     sampled_ahead,
     sampled_together,
     teacher_samples,
@@ -464,7 +466,7 @@ def _sampled_batch(llama, texts: int):
     teacher = load_unswapped(str(llama / "llama"), head="causal-lm")
     tokenizer = AutoTokenizer.from_pretrained(llama / "post")
     options = HealOptions(data="teacher", sample_length=10, eval_size=4, batch_size=4)
-    sampled = heal_texts(options=options, tokenizer=tokenizer, teacher=teacher)
+    sampled = heal_texts(read_texts(options), options=options, tokenizer=tokenizer, teacher=teacher)
     return teacher, tokenizer, sampled.collator(list(itertools.islice(sampled.train, texts)))
 
 
@@ -767,7 +769,7 @@ def test_kl_objective_decreases_on_text(healed_text):
     assert after["kl"] < 0.5 * before["kl"] and after["top1_agreement"] > before["top1_agreement"]
 
 
-def test_bad_input_one_line(tmp_path, llama, capsys):
+def test_bad_input_one_line(tmp_path, llama, capsys, monkeypatch):
     save_source(tmp_path / "bert", "bert", "Model")
     convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre", **QUIET)
     cases = [
@@ -813,16 +815,37 @@ def test_bad_input_one_line(tmp_path, llama, capsys):
         ),
         ([str(llama / "post"), "--stop-patience", "-1"], "stop_patience=-1 is invalid: 0 (never stop early) or more"),
         ([str(llama / "post"), "--dev-size", "65"], "dev_size=65 is invalid: 1 to 64"),
+        (  # the default fit's
+            [str(llama / "post"), "--reconstruct-sequences", "4"],
+            "reconstruct_sequences=4 is invalid: too few for the fit: at least 16",
+        ),
     ]
     (tmp_path / "few.txt").write_text("".join(f"text number {i}\n" for i in range(40)))
     capsys.readouterr()
     for arguments, message in cases:
         output = tmp_path / "out"
-        assert cli(["heal", *arguments, str(output), "--max-steps", "2"]) == 1
+        with monkeypatch.context() as patch:
+            if "the training text holds" not in message:  # counted on the tokenized text, after loading
+                patch.setattr(heal_models, "_load_student", lambda *args, **kwargs: pytest.fail("loaded"))
+            assert cli(["heal", *arguments, str(output), "--max-steps", "2"]) == 1
         error = capsys.readouterr().err.strip()
-        assert message in error and len(error.splitlines()) == 1 and not output.exists()
+        assert message in error and len(error.splitlines()) == 1 and not output.exists(), error
     with pytest.raises(HealError, match="swap_schedule='slow' is invalid"):
         HealOptions(swap_schedule="slow")
+
+
+def test_texts_stay_within_the_absolute_positions(tmp_path):
+    """A student of absolute positions (a GPT-2 of 64) refuses sampled texts longer than its table, before it loads,
+    and cuts other texts there."""
+    save_source(tmp_path / "gpt2", "gpt2", "LMHeadModel")
+    post = tmp_path / "post"
+    convert_checkpoint(str(tmp_path / "gpt2"), str(post), norm_placement="post", attention="causal", **QUIET)
+    with pytest.raises(HealError, match=f"^sample_length=100 is invalid: {re.escape(str(post))} holds 64 positions"):
+        heal_checkpoint(str(post), str(tmp_path / "out"), sample_length=100, max_steps=2, log=None)
+    (tmp_path / "long.txt").write_text("".join(" ".join([word] * 300) + "\n" for word in ("a", "b", "c", "d")))
+    options = dict(HEAL, max_steps=1, batch_size=2, data=str(tmp_path / "long.txt"), max_length=100)
+    report = heal_checkpoint(str(post), str(tmp_path / "out"), **options, reconstruct_steps=0)
+    assert report["max_length"] == 64 and report["tokens"] == 2 * 64  # a step of two texts, of 64 tokens each
 
 
 def test_an_unparsable_budget_gives_one_line(capsys):

@@ -253,14 +253,15 @@ def test_sharding_options_are_checked(variants, tmp_path, capsys):
 
 def test_checkpoints_of_a_model_sharded_on_a_cpu_are_refused_before_loading(variants, tmp_path, capsys, monkeypatch):
     from hf_normswap.heal import healing
+    from hf_normswap.heal import options as heal_options
 
-    monkeypatch.setattr(healing, "resumable", lambda options: False)  # as a launch sharding on CPUs finds
+    monkeypatch.setattr(heal_options, "resumable", lambda options: False)  # as a launch sharding on CPUs finds
     monkeypatch.setattr(healing, "load_models", lambda *args: pytest.fail("the models were loaded"))
     arguments = ["heal", str(variants / "tied" / "variant"), str(tmp_path / "out"), "--fsdp"]
     assert cli([*arguments, "--checkpoint-dir", str(tmp_path / "checkpoints")]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        "hf-normswap heal: error: checkpoint_dir is invalid with fsdp=True on CPU: the Trainer cannot resume a model "
-        "sharded there"
+        f"hf-normswap heal: error: checkpoint_dir={str(tmp_path / 'checkpoints')!r} is invalid: not with fsdp=True on "
+        "CPU: the Trainer cannot resume a model sharded there"
     ]
     assert not (tmp_path / "out").exists() and not (tmp_path / "checkpoints").exists()
 

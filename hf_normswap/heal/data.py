@@ -34,15 +34,21 @@ class HealTexts:
     development: list[dict] | None = None  # data="teacher", with stop_patience or a gradual swap_schedule
 
 
-def heal_texts(*, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> HealTexts:
-    """The options' data, tokenized; at most `eval_size` held-out rows, in batches of a process's share of
+def read_texts(options: HealOptions) -> tuple[Dataset, Dataset, list[str]]:
+    """The options' text as `load_texts` reads it (with `data="teacher"`, the held-out SST-2 sample), before any
+    model loads; refused in one line if the processes of a launch cannot share `batch_size` equally."""
+    process_share(options.batch_size, HealError)
+    data = SAMPLED_HELD_OUT if options.data == "teacher" else options.data
+    return load_texts(data, text_column=options.text_column, data_dir=options.data_dir)
+
+
+def heal_texts(read: tuple, *, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> HealTexts:
+    """The text `read_texts` read, tokenized; at most `eval_size` held-out rows, in batches of a process's share of
     `batch_size`. With the `mlm` objective, training batches have 15% of their tokens masked. With `data="teacher"`,
     the training text is sampled from the teacher and the held-out text is the SST-2 sample's."""
-    size = process_share(options.batch_size, HealError)  # every process measures every held-out batch
+    size = process_share(options.batch_size)  # every process measures every held-out batch
+    train, held_out, columns = read
     sampled = options.data == "teacher"
-    train, held_out, columns = load_texts(
-        SAMPLED_HELD_OUT if sampled else options.data, text_column=options.text_column, data_dir=options.data_dir
-    )
     if sampled:
         train = teacher_samples(teacher, tokenizer, options)
     else:
@@ -84,7 +90,10 @@ def load_texts(
     train = splits["train"]
     column = text_column or ("text" if "text" in train.column_names else None)
     if column is None or column not in train.column_names:
-        raise HealError(f"--data {data}: no text column {column!r} (use --text-column); columns: {train.column_names}")
+        raise HealError(
+            f"--data {data}: no text column {column or 'text'!r} (name one with --text-column); columns: "
+            f"{train.column_names}"
+        )
     if len(train) == 0:
         raise HealError(f"data file {data} is empty")
     if "validation" in splits:

@@ -40,18 +40,18 @@ from ..sharding import (
     prepare_frozen,
     prepare_trained,
     processes,
-    resumable,
     sharded,
     unsharded,
     with_sharding_section,
     world_size,
 )
-from .data import HealTexts, TeacherSamples, heal_texts, sampled_ahead
+from .checkpoints import CheckpointedHealing, kept_checkpoints
+from .data import HealTexts, TeacherSamples, heal_texts, read_texts, sampled_ahead
 from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_layer_gates
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
-from .models import HealModels, layer_parameters, load_models, memory_settings
+from .models import HealModels, layer_parameters, load_models, memory_settings, student_config, usable_positions
 from .norm_removal import NormRemoval
-from .options import HealError, HealOptions
+from .options import HealOptions
 from .reconstruction import reconstruct_layers, reconstruction_batches
 from .report import (
     HEAL_PLOT,
@@ -70,7 +70,6 @@ from .trainer import (
     HealProbeCallback,
     HealTrainer,
     TimeBudget,
-    remove_checkpoints,
     training_arguments,
 )
 
@@ -87,18 +86,18 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     """
     options = HealOptions(**with_sharding_section(options))
     check_output(output, overwrite)
-    if options.checkpoint_dir and not resumable(options.sharding):
-        raise HealError(
-            "checkpoint_dir is invalid with fsdp=True on CPU: the Trainer cannot resume a model sharded there"
-        )
+    healing = CheckpointedHealing.of(variant, options)  # whose checkpoints checkpoint_dir may hold
+    checkpoints = Path(options.checkpoint_dir) if options.checkpoint_dir else None
+    if checkpoints:
+        healing.resumes(checkpoints)
+    options = _for_student(variant, options)
+    read = read_texts(options)
     models = load_models(variant, options)
     gates = conversion_layer_gates(Path(variant), models.student.config)
     if options.swap_schedule == "direct" and removes_norms(models.student.config):
         models.student.config.first_position_scales = None  # every norm at once, the first position's divisors too
-    out_of_pre_ln = calibrated_out_of_pre_ln(Path(variant))
-    options = options.for_head(head_of_config(models.student.config), out_of_pre_ln=out_of_pre_ln)
     tokenizer = AutoTokenizer.from_pretrained(variant)
-    texts = heal_texts(options=options, tokenizer=tokenizer, teacher=models.teacher)
+    texts = heal_texts(read, options=options, tokenizer=tokenizer, teacher=models.teacher)
     if head_of_config(models.student.config) == "causal-lm":
         width, parameters = models.student.config.hidden_size, layer_parameters(models.student)
         options = options.scaled(width, parameters, tokens_per_text=_tokens_per_text(texts, options))
@@ -117,18 +116,28 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     prepare_trained(models.student, options.sharding)
     prepare_frozen(models.teacher, options.sharding)
     log = log if main else None
-    with output_folder(output, overwrite) if main else _scratch_folder() as staging:
-        work = Path(options.checkpoint_dir) if options.checkpoint_dir else staging / "trainer"
+    with (
+        kept_checkpoints(checkpoints, healing, main),
+        output_folder(output, overwrite) if main else _scratch_folder() as staging,
+    ):
+        work = checkpoints or staging / "trainer"
         report = _heal(models, texts, tokenizer, options, work=work, quiet=log is None, gates=gates, fit=fit)
         _save(models, source=Path(variant), staging=staging, report=report, main=main)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
-    if options.checkpoint_dir and main:
-        remove_checkpoints(Path(options.checkpoint_dir))
     processes().wait_for_everyone()  # under a distributed launch, until the main process has written OUTPUT
     if log:
         log(report.summary())
         log(f"wrote {output}")
     return asdict(report)
+
+
+def _for_student(variant: str, options: HealOptions) -> HealOptions:
+    """The options with the defaults that VARIANT's head and conversion give (`for_head`), its text no longer than
+    its absolute positions hold."""
+    config = student_config(variant)
+    options = options.for_head(head_of_config(config), out_of_pre_ln=calibrated_out_of_pre_ln(Path(variant)))
+    positions = usable_positions(config)
+    return replace(options, max_length=min(options.max_length, positions)) if positions else options
 
 
 def _tokens_per_text(texts: HealTexts, options: HealOptions) -> float:

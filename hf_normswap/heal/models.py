@@ -61,19 +61,24 @@ class HealModels:
 
 
 def load_models(variant: str, options: HealOptions) -> HealModels:
-    """The student VARIANT (embeddings frozen with `freeze_embeddings`) and its teacher, checked to fit each other
-    and the objective; unsharded, both on the launch's device (an accelerator if there is one)."""
-    folder = Path(variant)
-    if not (folder / "config.json").exists():
-        raise HealError(f"{variant}: not a checkpoint folder (no config.json)")
-    teacher_id = resolve_teacher(folder, options.teacher)
-    config = student_config(folder)
+    """The student VARIANT (embeddings frozen with `freeze_embeddings`) and its teacher, checked to fit each other and
+    the options (`for_head`'s) before either loads; unsharded, both on the launch's device (an accelerator if there
+    is one)."""
+    config = student_config(variant)
     head = head_of_config(config)
-    options = options.for_head(head)
     check_for_student(variant, config, options)
+    teacher_id = resolve_teacher(Path(variant), options.teacher)
+    try:
+        teacher_config = source_config(teacher_id)
+    except HealError as error:
+        raise HealError(f"teacher {error}") from None
+    for field in SHARED_FIELDS:
+        ours, theirs = getattr(config, field), getattr(teacher_config, field, None)
+        if ours != theirs:
+            raise HealError(f"teacher {teacher_id}: {field} {theirs} differs from the student's {ours}")
     dtype = getattr(torch, options.dtype)
     student, configured_dropout = _load_student(
-        folder, options, empty=not loads_weights(options.sharding, trained=True)
+        Path(variant), options, empty=not loads_weights(options.sharding, trained=True)
     )
     teacher, masked_lm = _load_teacher(
         teacher_id,
@@ -82,10 +87,6 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
         dtype=dtype,
         empty=not loads_weights(options.sharding),
     )
-    for field in SHARED_FIELDS:
-        ours, theirs = getattr(student.config, field), getattr(teacher.config, field, None)
-        if ours != theirs:
-            raise HealError(f"teacher {teacher_id}: {field} {theirs} differs from the student's {ours}")
     if not sharded(options.sharding):  # where the Trainer will train: the fit and the sampling run there too
         student, teacher = student.to(processes().device), teacher.to(processes().device)
     return HealModels(
@@ -114,6 +115,19 @@ def check_for_student(variant: str, config: NormSwapConfig, options: HealOptions
             f"{variant}'s conversion.json records none"
         )
     check_swap_schedule(Path(variant), config, options.swap_schedule)
+    positions = usable_positions(config)
+    if options.data == "teacher" and positions is not None and options.sample_length > positions:
+        raise HealError(
+            f"sample_length={options.sample_length} is invalid: {variant} holds {positions} positions; at most that"
+        )
+
+
+def usable_positions(config: NormSwapConfig) -> int | None:
+    """The positions a student of absolute position embeddings holds (its table less its offset); None for others,
+    which have no table to run past."""
+    if config.position_embedding_type != "absolute":
+        return None
+    return config.max_position_embeddings - config.position_offset
 
 
 def layer_parameters(model: torch.nn.Module) -> int:
@@ -148,6 +162,8 @@ def resolve_teacher(variant: Path, teacher: str | None) -> str:
 
 def student_config(variant: str | Path) -> NormSwapConfig:
     """VARIANT's configuration; refused in one line if it is not a NormSwap checkpoint."""
+    if not (Path(variant) / "config.json").exists():
+        raise HealError(f"{variant}: not a checkpoint folder (no config.json)")
     try:
         return NormSwapConfig.from_pretrained(variant)
     except (OSError, ValueError) as error:

@@ -4,7 +4,7 @@ checks."""
 from dataclasses import dataclass, field, replace
 
 from ..option_rules import Rule, at_least, check_options, positive, whole
-from ..sharding import ShardingOptions, sharding_section
+from ..sharding import ShardingOptions, resumable, sharding_section
 
 
 OBJECTIVES = ("hidden", "cka", "similarity", "mlm", "kl")
@@ -265,15 +265,25 @@ class HealOptions:
             "help": f"texts a step, shared equally by the processes of a launch; {_by_head('batch_size')}",
         },
     )
-    max_length: int = field(default=128, metadata={"rules": (positive(),), "help": "tokens per text at most"})
+    max_length: int = field(
+        default=128,
+        metadata={"rules": (positive(),), "help": "tokens per text at most (at most a student's absolute positions)"},
+    )
     eval_size: int = field(
         default=256, metadata={"rules": (positive(),), "help": "held-out texts measured before, during and after"}
     )
     checkpoint_dir: str | None = field(
         default=None,
         metadata={
-            "help": "keep resumable Trainer checkpoints here; a rerun continues from the last; removed, and the "
-            "figures kept beside them, once the healing has written OUTPUT"
+            "rules": (
+                Rule(
+                    lambda value, options: value is None or resumable(options.sharding),
+                    "not with fsdp=True on CPU: the Trainer cannot resume a model sharded there",
+                ),
+            ),
+            "help": "keep resumable Trainer checkpoints here; a rerun of the same variant and options (--max-seconds "
+            "aside) continues from the last, another's is refused; removed, and the figures kept beside them, once "
+            "the healing has written OUTPUT",
         },
     )
     packing: bool = field(default=True, metadata={"help": "run student and teacher on padding-free batches"})

@@ -6,9 +6,7 @@ share of the global batch's tokens, so that the processes' averaged gradient is 
 batch (exactly so for `hidden` and `kl`; the batch-level terms of `similarity`, `cka` and `mlm` stay per process).
 """
 
-import contextlib
 import json
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -161,17 +159,6 @@ class CheckpointedFigures(TrainerCallback):
             written = Path(args.output_dir) / f".{self.FILE}"
             written.write_text(json.dumps(self.figures()))
             written.replace(Path(args.output_dir) / self.FILE)  # whole or not at all
-
-
-def remove_checkpoints(folder: Path) -> None:
-    """Removes what a healing kept in `folder` (its `checkpoint_dir`): the Trainer's checkpoints and the figures
-    beside them (`CheckpointedFigures`); the folder too if nothing else is in it."""
-    for checkpoint in folder.glob("checkpoint-*"):
-        shutil.rmtree(checkpoint, ignore_errors=True)
-    for figures in CheckpointedFigures.__subclasses__():
-        (folder / figures.FILE).unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        folder.rmdir()
 
 
 class HealProbeCallback(CheckpointedFigures):
