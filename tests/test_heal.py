@@ -142,6 +142,10 @@ def test_heal_cli_bad_input(variant, tmp_path, capsys, monkeypatch):
         ([str(no_record), out], "no conversion.json naming its source; pass --teacher"),
         ([pre, out, "--teacher", str(tmp_path / "wide")], "hidden_size 64 differs from the student's 32"),
         (
+            [pre, out, "--teacher", str(tmp_path / "nowhere")],
+            f"teacher {tmp_path / 'nowhere'}: no such folder or file",
+        ),
+        (
             [pre, out, "--teacher", str(tmp_path / "opt")],
             "model_type 'opt' is not supported; supported model types: bert",
         ),

@@ -231,6 +231,8 @@ def _load_teacher(
         return teacher, same_head and student_head == "masked-lm"
     except ConversionError as error:
         raise HealError(f"teacher {error}") from None
+    except HealError:
+        raise
     except (OSError, ValueError) as error:
         raise HealError(f"teacher {teacher_id}: cannot be loaded ({str(error).splitlines()[0]})") from None
 
@@ -245,6 +247,8 @@ def _head_of(teacher_id: str) -> str:
 def source_config(source: str) -> NormSwapConfig:
     """SOURCE's configuration (folder, Hub id or GGUF file) as the unswapped NormSwap configuration, read without its
     weights."""
+    if not Path(source).exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        raise HealError(f"{source}: no such folder or file")
     try:
         if is_gguf(source):  # Transformers reads a GGUF file as a causal LM
             path = Path(source)

@@ -133,7 +133,7 @@ def reconstruction_batches(train, tokenizer, options: HealOptions) -> list[dict]
     if len(rows) < options.reconstruct_sequences:
         raise HealError(
             f"reconstruct_sequences={options.reconstruct_sequences} is invalid: the training text holds "
-            f"{len(rows)} texts"
+            f"{len(rows)} texts: give at most that, or reconstruct_steps=0 (no fit)"
         )
     pad = DataCollatorWithPadding(tokenizer)
     keys = ("input_ids", "attention_mask")
