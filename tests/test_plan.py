@@ -51,6 +51,12 @@ def test_heal_plan_counts_the_student_and_its_teacher_without_loading_them(tmp_p
         "hf-normswap heal: error: --processes 2 is invalid without --plan: a launch runs its own processes"
     )
     assert not (tmp_path / "out").exists()
+    save_source(tmp_path / "wide", "llama", "ForCausalLM", hidden_size=64)
+    plan = ["heal", str(tmp_path / "post"), str(tmp_path / "out"), "--plan", "--teacher", str(tmp_path / "wide")]
+    assert main(plan) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"hf-normswap heal: error: teacher {tmp_path / 'wide'}: hidden_size 64 differs from the student's {hidden}"
+    )
 
 
 def test_heal_plan_of_one_process_is_not_sharded_and_counts_lora_norms_only(tmp_path):

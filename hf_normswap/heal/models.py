@@ -68,14 +68,7 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
     head = head_of_config(config)
     check_for_student(variant, config, options)
     teacher_id = resolve_teacher(Path(variant), options.teacher)
-    try:
-        teacher_config = source_config(teacher_id)
-    except HealError as error:
-        raise HealError(f"teacher {error}") from None
-    for field in SHARED_FIELDS:
-        ours, theirs = getattr(config, field), getattr(teacher_config, field, None)
-        if ours != theirs:
-            raise HealError(f"teacher {teacher_id}: {field} {theirs} differs from the student's {ours}")
+    teacher_config(teacher_id, config)
     dtype = getattr(torch, options.dtype)
     student, configured_dropout = _load_student(
         Path(variant), options, empty=not loads_weights(options.sharding, trained=True)
@@ -120,6 +113,20 @@ def check_for_student(variant: str, config: NormSwapConfig, options: HealOptions
         raise HealError(
             f"sample_length={options.sample_length} is invalid: {variant} holds {positions} positions; at most that"
         )
+
+
+def teacher_config(teacher_id: str, student: NormSwapConfig) -> NormSwapConfig:
+    """The configuration of the teacher TEACHER_ID (`source_config`), refused in one line if it does not fit the
+    `student` (`SHARED_FIELDS`)."""
+    try:
+        config = source_config(teacher_id)
+    except HealError as error:
+        raise HealError(f"teacher {error}") from None
+    for field in SHARED_FIELDS:
+        ours, theirs = getattr(student, field), getattr(config, field, None)
+        if ours != theirs:
+            raise HealError(f"teacher {teacher_id}: {field} {theirs} differs from the student's {ours}")
+    return config
 
 
 def usable_positions(config: NormSwapConfig) -> int | None:

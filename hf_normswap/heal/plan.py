@@ -4,7 +4,7 @@ from pathlib import Path
 
 from ..model.heads import head_of_config
 from ..sharding import MemoryPlan, plan_memory
-from .models import resolve_teacher, source_config, student_config
+from .models import resolve_teacher, student_config, teacher_config
 from .options import HealOptions
 
 
@@ -13,7 +13,7 @@ def heal_plan(variant: str, options: HealOptions, processes: int) -> MemoryPlan:
     gradients and AdamW states (its embeddings frozen with `freeze_embeddings`, only its norms trained with `lora`:
     the adapters are not counted) and the teacher's weights."""
     student = student_config(variant)
-    teacher = source_config(resolve_teacher(Path(variant), options.teacher))
+    teacher = teacher_config(resolve_teacher(Path(variant), options.teacher), student)
     if head_of_config(teacher) != head_of_config(student):  # the teacher runs without a head then
         teacher.architectures = None
 
