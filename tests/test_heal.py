@@ -1,6 +1,7 @@
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,13 @@ from hf_normswap.cli import main as cli
 from hf_normswap.compare.report import collapse_report_lines as report_lines
 from hf_normswap.compare.report import summarize_collapse as summarize_runs
 from hf_normswap.heal import models as heal_models
+from hf_normswap.heal.checkpoints import CheckpointedHealing
 from hf_normswap.heal.data import load_texts
-from hf_normswap.heal.options import HealError
+from hf_normswap.heal.options import HealError, HealOptions
 from hf_normswap.model import REMOTE_CODE_FILES
 from hf_normswap.model.modeling_normswap import AUTO_MAP
 from hf_normswap.probes.collapse import mean_pairwise_cosine
+from hf_normswap.sharding import ShardingOptions
 
 from helpers import SENTENCES, interrupted, save_source
 
@@ -155,7 +158,11 @@ def test_heal_cli_bad_input(variant, tmp_path, capsys, monkeypatch):
         ([pre, str(tmp_path / "taken")], "exists and is not empty; pass --overwrite"),
         ([pre, out, "--objective", "mlm"], "needs a masked-LM student"),
         ([pre, str(tmp_path / "taken" / "file" / "out")], f"{tmp_path / 'taken' / 'file'} is a file, not a folder"),
-        ([pre, out, "--checkpoint-dir", str(tmp_path / "taken" / "file")], "is invalid: a file; give a folder"),
+        (
+            [pre, out, "--checkpoint-dir", str(tmp_path / "taken" / "file" / "ck")],
+            f"is invalid: {tmp_path / 'taken' / 'file'} is a file; give a folder",
+        ),
+        ([pre, out, "--checkpoint-dir", str(tmp_path / "out" / "ck")], "is invalid: inside OUTPUT, which the healing"),
     ]
     capsys.readouterr()
     for arguments, message in cases:
@@ -167,6 +174,19 @@ def test_heal_cli_bad_input(variant, tmp_path, capsys, monkeypatch):
         assert len(error.splitlines()) == 1 and message in error, error
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
     assert [path.name for path in (tmp_path / "taken").iterdir()] == ["file"]
+
+
+def test_a_rerun_resumes_whatever_memory_it_saves_or_path_it_names(variant, monkeypatch):
+    """The record of a healing's checkpoints: the same for the same variant and text named by other paths, with
+    activation checkpointing and another time budget; not for other training."""
+    settings = {name: value for name, value in HEAL.items() if name != "log"}
+    first = HealOptions(**settings, data=str(variant / "text.txt"), checkpoint_dir="a")
+    record = CheckpointedHealing.of(str(variant / "pre"), first)
+    monkeypatch.chdir(variant)
+    sharding = ShardingOptions(activation_checkpointing=True)
+    again = HealOptions(**settings, data="text.txt", checkpoint_dir="b", max_seconds=60.0, sharding=sharding)
+    assert CheckpointedHealing.of("pre", again) == record
+    assert CheckpointedHealing.of("pre", replace(again, learning_rate=2e-3)) != record
 
 
 def test_collapse_flag_in_report():
@@ -306,11 +326,14 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
     checkpoints = repr(str(tmp_path / "checkpoints"))
     for other, differing in [(dict(max_steps=4), "max_steps"), (dict(learning_rate=2e-3), "learning_rate")]:
         with pytest.raises(
-            HealError, match=re.escape(f"{checkpoints} holds another healing's checkpoints (differing: {differing}): ")
+            HealError,
+            match=re.escape(
+                f"{checkpoints} holds another healing's checkpoints (differing: {differing}); rerun that healing"
+            ),
         ):
             heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **{**resumable, **other})
     with pytest.raises(
-        HealError, match=re.escape("checkpoints (differing: the variant): give another folder, or empty")
+        HealError, match=re.escape("checkpoints (differing: the variant); rerun that healing to resume it, or give")
     ):
         heal_checkpoint(str(shutil.copytree(variant / "pre", tmp_path / "pre")), str(tmp_path / "out"), **resumable)
     figures = tmp_path / "checkpoints" / "heal_probe.json"
@@ -322,7 +345,10 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
     figures.write_text(kept)
     record = (tmp_path / "checkpoints" / "healing.json").read_text()
     (tmp_path / "checkpoints" / "healing.json").unlink()
-    with pytest.raises(HealError, match=re.escape("checkpoints (no healing.json says whose): give another folder")):
+    with pytest.raises(
+        HealError,
+        match=re.escape("checkpoints (no healing.json says whose: written before hf_normswap kept one); rerun"),
+    ):
         heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
     (tmp_path / "checkpoints" / "healing.json").write_text(record)
     (tmp_path / "checkpoints" / "notes.txt").write_text("the user's")

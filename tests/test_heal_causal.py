@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -774,6 +775,7 @@ def test_bad_input_one_line(tmp_path, llama, capsys, monkeypatch):
     convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre", **QUIET)
     cases = [
         ([str(tmp_path / "pre"), "--data", "teacher"], "--data teacher needs a causal-LM teacher"),
+        ([str(llama / "post"), "--teacher", str(tmp_path / "bert")], "objective='kl' needs a causal-LM teacher;"),
         ([str(tmp_path / "pre"), "--objective", "kl"], "objective='kl' needs a causal-LM student"),
         ([str(llama / "post-shifted"), "--swap-schedule", "gate"], "needs a calibrated conversion out of pre-LN"),
         ([str(llama / "post"), "--sample-count", "0"], "sample_count=0 is invalid"),
@@ -834,13 +836,26 @@ def test_bad_input_one_line(tmp_path, llama, capsys, monkeypatch):
         HealOptions(swap_schedule="slow")
 
 
-def test_texts_stay_within_the_absolute_positions(tmp_path):
+def test_a_recorded_stream_that_does_not_fit_the_layers_is_refused_before_loading(llama, tmp_path, monkeypatch):
+    variant = shutil.copytree(llama / "post", tmp_path / "post")
+    record = json.loads((variant / "conversion.json").read_text())
+    record["calibration"]["stream_rms"] = record["calibration"]["stream_rms"][:-1]
+    (variant / "conversion.json").write_text(json.dumps(record))
+    monkeypatch.setattr(heal_models, "_load_student", lambda *args, **kwargs: pytest.fail("loaded"))
+    with pytest.raises(HealError, match=r"^swap_schedule='gate': the recorded stream RMS does not fit the model's"):
+        heal_checkpoint(str(variant), str(tmp_path / "out"), swap_schedule="gate", log=None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_texts_stay_within_the_absolute_positions(tmp_path, monkeypatch):
     """A student of absolute positions (a GPT-2 of 64) refuses sampled texts longer than its table, before it loads,
     and cuts other texts there."""
     save_source(tmp_path / "gpt2", "gpt2", "LMHeadModel")
     post = tmp_path / "post"
     convert_checkpoint(str(tmp_path / "gpt2"), str(post), norm_placement="post", attention="causal", **QUIET)
-    with pytest.raises(HealError, match=f"^sample_length=100 is invalid: {re.escape(str(post))} holds 64 positions"):
+    refused = f"^sample_length=100 is invalid: {re.escape(str(post))} holds 64 positions"
+    with monkeypatch.context() as patch, pytest.raises(HealError, match=refused):
+        patch.setattr(heal_models, "_load_student", lambda *args, **kwargs: pytest.fail("loaded"))
         heal_checkpoint(str(post), str(tmp_path / "out"), sample_length=100, max_steps=2, log=None)
     (tmp_path / "long.txt").write_text("".join(" ".join([word] * 300) + "\n" for word in ("a", "b", "c", "d")))
     options = dict(HEAL, max_steps=1, batch_size=2, data=str(tmp_path / "long.txt"), max_length=100)

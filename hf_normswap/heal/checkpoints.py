@@ -15,12 +15,14 @@ from .trainer import CheckpointedFigures
 
 
 UNCHECKED_OPTIONS = ("checkpoint_dir", "max_seconds")  # a rerun may move the folder's name or give more time
+UNCHECKED_SHARDING = ("activation_checkpointing",)  # or spend less memory on the same function
+PATH_OPTIONS = ("teacher", "data", "data_dir", "fsdp_config")  # compared as the files they name, where they exist
 
 
 @dataclass
 class CheckpointedHealing(JsonRecord):
-    """The healing a `checkpoint_dir`'s checkpoints belong to: the variant (its resolved path) and the options, but
-    those a rerun may change (`UNCHECKED_OPTIONS`)."""
+    """The healing a `checkpoint_dir`'s checkpoints belong to: the variant and the options, but those a rerun may
+    change (`UNCHECKED_OPTIONS`, `UNCHECKED_SHARDING`), paths resolved."""
 
     FILE: ClassVar[str] = "healing.json"
     INDENT: ClassVar[int] = 1
@@ -32,26 +34,51 @@ class CheckpointedHealing(JsonRecord):
     @classmethod
     def of(cls, variant: str, options: HealOptions) -> "CheckpointedHealing":
         kept = {name: value for name, value in asdict(options).items() if name not in UNCHECKED_OPTIONS}
-        return cls(variant=str(Path(variant).resolve()), options=json.loads(json.dumps(kept, default=str)))
+        kept["sharding"] = {name: value for name, value in kept["sharding"].items() if name not in UNCHECKED_SHARDING}
+        for section in (kept, kept["sharding"]):
+            section.update({name: _resolved(section[name]) for name in PATH_OPTIONS if name in section})
+        return cls(variant=_resolved(variant), options=json.loads(json.dumps(kept, default=str)))
 
     def resumes(self, folder: Path) -> bool:
         """Whether this healing resumes from FOLDER's checkpoints; refused in one line where they are another's."""
-        if folder.exists() and not folder.is_dir():
-            raise HealError(f"checkpoint_dir={str(folder)!r} is invalid: a file; give a folder")
+        above = next(path for path in (folder, *folder.parents) if path.exists())
+        if not above.is_dir():
+            raise HealError(f"checkpoint_dir={str(folder)!r} is invalid: {above} is a file; give a folder")
         if not any(folder.glob("checkpoint-*")):
             return False
         kept = self.read(folder)
         if kept == self:
             return True
         if kept is None:
-            why = f"no {self.FILE} says whose"
+            why = f"no {self.FILE} says whose: written before hf_normswap kept one"
         else:
-            options = [name for name in self.options if kept.options.get(name) != self.options[name]]
+            names = sorted(set(self.options) | set(kept.options))
+            options = [name for name in names if kept.options.get(name) != self.options.get(name)]
             why = "differing: " + ", ".join(["the variant"] * (kept.variant != self.variant) + options)
         raise HealError(
-            f"checkpoint_dir={str(folder)!r} holds another healing's checkpoints ({why}): give another folder, or "
-            "empty it to heal from the start"
+            f"checkpoint_dir={str(folder)!r} holds another healing's checkpoints ({why}); rerun that healing to "
+            "resume it, or give another folder"
         )
+
+
+def checkpoint_folder(options: HealOptions, output: str, healing: CheckpointedHealing) -> Path | None:
+    """The options' `checkpoint_dir`, checked to be one a healing into OUTPUT may keep its checkpoints in (its own, if
+    it holds any: `resumes`); None without one."""
+    if options.checkpoint_dir is None:
+        return None
+    folder = Path(options.checkpoint_dir)
+    if folder.resolve() == Path(output).resolve() or Path(output).resolve() in folder.resolve().parents:
+        raise HealError(
+            f"checkpoint_dir={options.checkpoint_dir!r} is invalid: inside OUTPUT, which the healing replaces; give a "
+            "folder outside it"
+        )
+    healing.resumes(folder)
+    return folder
+
+
+def _resolved(path: str | None) -> str | None:
+    """PATH resolved where it names a file or folder, else as given (a Hub id, a GLUE task, none)."""
+    return str(Path(path).resolve()) if path and Path(path).exists() else path
 
 
 @contextlib.contextmanager
@@ -64,7 +91,8 @@ def kept_checkpoints(folder: Path | None, healing: CheckpointedHealing, main: bo
         return
     made = [path for path in (folder, *folder.parents) if not path.exists()]  # the innermost first
     folder.mkdir(parents=True, exist_ok=True)
-    healing.write(folder)
+    if not any(folder.glob("checkpoint-*")):  # else resumed: its record is this one
+        healing.write(folder)
     try:
         yield
     except BaseException:

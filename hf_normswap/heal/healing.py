@@ -45,7 +45,7 @@ from ..sharding import (
     with_sharding_section,
     world_size,
 )
-from .checkpoints import CheckpointedHealing, kept_checkpoints
+from .checkpoints import CheckpointedHealing, checkpoint_folder, kept_checkpoints
 from .data import HealTexts, TeacherSamples, heal_texts, read_texts, sampled_ahead
 from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_layer_gates
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
@@ -87,10 +87,8 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     options = HealOptions(**with_sharding_section(options))
     check_output(output, overwrite)
     healing = CheckpointedHealing.of(variant, options)  # whose checkpoints checkpoint_dir may hold
-    checkpoints = Path(options.checkpoint_dir) if options.checkpoint_dir else None
-    if checkpoints:
-        healing.resumes(checkpoints)
     options = _for_student(variant, options)
+    checkpoints = checkpoint_folder(options, output, healing)
     read = read_texts(options)
     models = load_models(variant, options)
     gates = conversion_layer_gates(Path(variant), models.student.config)

@@ -68,17 +68,13 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
     head = head_of_config(config)
     check_for_student(variant, config, options)
     teacher_id = resolve_teacher(Path(variant), options.teacher)
-    teacher_config(teacher_id, config)
+    teacher_config(teacher_id, config, options.objective)
     dtype = getattr(torch, options.dtype)
     student, configured_dropout = _load_student(
         Path(variant), options, empty=not loads_weights(options.sharding, trained=True)
     )
     teacher, masked_lm = _load_teacher(
-        teacher_id,
-        student_head=head,
-        objective=options.objective,
-        dtype=dtype,
-        empty=not loads_weights(options.sharding),
+        teacher_id, student_head=head, dtype=dtype, empty=not loads_weights(options.sharding)
     )
     if not sharded(options.sharding):  # where the Trainer will train: the fit and the sampling run there too
         student, teacher = student.to(processes().device), teacher.to(processes().device)
@@ -115,13 +111,17 @@ def check_for_student(variant: str, config: NormSwapConfig, options: HealOptions
         )
 
 
-def teacher_config(teacher_id: str, student: NormSwapConfig) -> NormSwapConfig:
+def teacher_config(teacher_id: str, student: NormSwapConfig, objective: str | None = None) -> NormSwapConfig:
     """The configuration of the teacher TEACHER_ID (`source_config`), refused in one line if it does not fit the
-    `student` (`SHARED_FIELDS`)."""
+    `student` (`SHARED_FIELDS`) or lacks the head the `objective` needs."""
     try:
         config = source_config(teacher_id)
     except HealError as error:
         raise HealError(f"teacher {error}") from None
+    needed = LANGUAGE_OBJECTIVES.get(objective)
+    if needed and head_of_config(config) != needed:
+        needed = needed.replace("-lm", "-LM")
+        raise HealError(f"objective={objective!r} needs a {needed} teacher; {teacher_id} has none")
     for field in SHARED_FIELDS:
         ours, theirs = getattr(student, field), getattr(config, field, None)
         if ours != theirs:
@@ -220,15 +220,12 @@ def _forward_in_weight_dtype(norm: torch.nn.Module, hidden_states: torch.Tensor)
 
 
 def _load_teacher(
-    teacher_id: str, student_head: str, objective: str, dtype: torch.dtype, empty: bool = False
+    teacher_id: str, student_head: str, dtype: torch.dtype, empty: bool = False
 ) -> tuple[torch.nn.Module, bool]:
     """The unswapped source, with the language-model head (masked or causal) where student and source both have it,
     and whether they have a masked-LM head. With `empty`, its weights are not read (`empty_model`)."""
     try:
         same_head = student_head in ("masked-lm", "causal-lm") and _head_of(teacher_id) == student_head
-        if objective in LANGUAGE_OBJECTIVES and not same_head:
-            needed = student_head.replace("-lm", "-LM")
-            raise HealError(f"objective={objective!r} needs a {needed} teacher; {teacher_id} has none")
         head = student_head if same_head else "base"
         if empty:
             teacher = empty_model(source_config(teacher_id), head, dtype).eval()
@@ -238,8 +235,6 @@ def _load_teacher(
         return teacher, same_head and student_head == "masked-lm"
     except ConversionError as error:
         raise HealError(f"teacher {error}") from None
-    except HealError:
-        raise
     except (OSError, ValueError) as error:
         raise HealError(f"teacher {teacher_id}: cannot be loaded ({str(error).splitlines()[0]})") from None
 

@@ -281,9 +281,9 @@ class HealOptions:
                     "not with fsdp=True on CPU: the Trainer cannot resume a model sharded there",
                 ),
             ),
-            "help": "keep resumable Trainer checkpoints here; a rerun of the same variant and options (--max-seconds "
-            "aside) continues from the last, another's is refused; removed, and the figures kept beside them, once "
-            "the healing has written OUTPUT",
+            "help": "keep resumable Trainer checkpoints here; a rerun of the same variant and options (but "
+            "--max-seconds and --activation-checkpointing) continues from the last, another's is refused; removed, "
+            "and the figures kept beside them, once the healing has written OUTPUT",
         },
     )
     packing: bool = field(default=True, metadata={"help": "run student and teacher on padding-free batches"})
