@@ -175,12 +175,32 @@ def check_output(output: str | os.PathLike, overwrite: bool) -> Path:
         raise CheckpointError(f"{output}: is the working folder or contains it; choose a new folder to write")
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{output}: exists and is not a folder")
-    above = next(parent for parent in path.parents if parent.exists())
-    if not above.is_dir():
-        raise CheckpointError(f"{output}: {above} is a file, not a folder to write in")
+    if blocking := file_above(path.parent):
+        raise CheckpointError(f"{output}: {blocking} is a file, not a folder to write in")
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise CheckpointError(f"{output}: exists and is not empty; pass --overwrite to replace it")
     return path
+
+
+def file_above(path: Path) -> Path | None:
+    """The file that stands where `path`, or a folder above it, would be a folder; None if none does."""
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())
+    return None if existing.is_dir() else existing
+
+
+@contextlib.contextmanager
+def made_folder(path: Path) -> Iterator[None]:
+    """`path` made (with its parents) for the block; if the block fails, the folders it made are removed again
+    where they are empty."""
+    made = [folder for folder in (path, *path.parents) if not folder.exists()]  # the innermost first
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):  # one that holds something now stays
+                folder.rmdir()
+        raise
 
 
 @contextlib.contextmanager
@@ -188,23 +208,19 @@ def output_folder(output: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     """A temporary folder beside `output` that becomes `output` only if the block succeeds (else the folders made
     for it are removed too)."""
     output = check_output(output, overwrite)
-    made = [parent for parent in output.parents if not parent.exists()]  # the innermost first
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
-        yield staging
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the result is an ordinary one
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for parent in made:
-            with contextlib.suppress(OSError):  # one that holds something else now stays
-                parent.rmdir()
-        raise
+    with made_folder(output.parent):
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+        try:
+            yield staging
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the result is an ordinary one
+            if output.exists():
+                shutil.rmtree(output)
+            os.replace(staging, output)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
 
 
 def resolve_source(source: str, allow_pickle: bool = False) -> tuple[Path, str | None]:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from ..checkpoint import file_above, made_folder
 from ..records import JsonRecord
 from .options import HealError, HealOptions
 from .trainer import CheckpointedFigures
@@ -41,9 +42,8 @@ class CheckpointedHealing(JsonRecord):
 
     def resumes(self, folder: Path) -> bool:
         """Whether this healing resumes from FOLDER's checkpoints; refused in one line where they are another's."""
-        above = next(path for path in (folder, *folder.parents) if path.exists())
-        if not above.is_dir():
-            raise HealError(f"checkpoint_dir={str(folder)!r} is invalid: {above} is a file; give a folder")
+        if blocking := file_above(folder):
+            raise HealError(f"checkpoint_dir={str(folder)!r} is invalid: {blocking} is a file; give a folder")
         if not any(folder.glob("checkpoint-*")):
             return False
         kept = self.read(folder)
@@ -67,7 +67,7 @@ def checkpoint_folder(options: HealOptions, output: str, healing: CheckpointedHe
     if options.checkpoint_dir is None:
         return None
     folder = Path(options.checkpoint_dir)
-    if folder.resolve() == Path(output).resolve() or Path(output).resolve() in folder.resolve().parents:
+    if folder.resolve().is_relative_to(Path(output).resolve()):
         raise HealError(
             f"checkpoint_dir={options.checkpoint_dir!r} is invalid: inside OUTPUT, which the healing replaces; give a "
             "folder outside it"
@@ -89,19 +89,15 @@ def kept_checkpoints(folder: Path | None, healing: CheckpointedHealing, main: bo
     if folder is None or not main:
         yield
         return
-    made = [path for path in (folder, *folder.parents) if not path.exists()]  # the innermost first
-    folder.mkdir(parents=True, exist_ok=True)
-    if not any(folder.glob("checkpoint-*")):  # else resumed: its record is this one
-        healing.write(folder)
-    try:
-        yield
-    except BaseException:
-        if not any(folder.glob("checkpoint-*")):
-            (folder / healing.FILE).unlink(missing_ok=True)
-            for path in made:
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-        raise
+    with made_folder(folder):
+        if not any(folder.glob("checkpoint-*")):  # else resumed: its record is this one
+            healing.write(folder)
+        try:
+            yield
+        except BaseException:
+            if not any(folder.glob("checkpoint-*")):
+                (folder / healing.FILE).unlink(missing_ok=True)
+            raise
     remove_checkpoints(folder)
 
 

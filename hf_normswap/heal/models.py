@@ -68,13 +68,13 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
     head = head_of_config(config)
     check_for_student(variant, config, options)
     teacher_id = resolve_teacher(Path(variant), options.teacher)
-    teacher_config(teacher_id, config, options.objective)
+    teacher = teacher_config(teacher_id, config, options.objective)
     dtype = getattr(torch, options.dtype)
     student, configured_dropout = _load_student(
         Path(variant), options, empty=not loads_weights(options.sharding, trained=True)
     )
     teacher, masked_lm = _load_teacher(
-        teacher_id, student_head=head, dtype=dtype, empty=not loads_weights(options.sharding)
+        teacher_id, teacher, student_head=head, dtype=dtype, empty=not loads_weights(options.sharding)
     )
     if not sharded(options.sharding):  # where the Trainer will train: the fit and the sampling run there too
         student, teacher = student.to(processes().device), teacher.to(processes().device)
@@ -220,15 +220,16 @@ def _forward_in_weight_dtype(norm: torch.nn.Module, hidden_states: torch.Tensor)
 
 
 def _load_teacher(
-    teacher_id: str, student_head: str, dtype: torch.dtype, empty: bool = False
+    teacher_id: str, config: NormSwapConfig, student_head: str, dtype: torch.dtype, empty: bool = False
 ) -> tuple[torch.nn.Module, bool]:
-    """The unswapped source, with the language-model head (masked or causal) where student and source both have it,
-    and whether they have a masked-LM head. With `empty`, its weights are not read (`empty_model`)."""
+    """The unswapped source TEACHER_ID (of `config`: `teacher_config`), with the language-model head (masked or
+    causal) where student and source both have it, and whether they have a masked-LM head. With `empty`, its weights
+    are not read (`empty_model`)."""
     try:
-        same_head = student_head in ("masked-lm", "causal-lm") and _head_of(teacher_id) == student_head
+        same_head = student_head in ("masked-lm", "causal-lm") and head_of_config(config) == student_head
         head = student_head if same_head else "base"
         if empty:
-            teacher = empty_model(source_config(teacher_id), head, dtype).eval()
+            teacher = empty_model(config, head, dtype).eval()
             teacher.tie_weights()
         else:
             teacher = load_unswapped(teacher_id, head=head, dtype=dtype)
@@ -237,13 +238,6 @@ def _load_teacher(
         raise HealError(f"teacher {error}") from None
     except (OSError, ValueError) as error:
         raise HealError(f"teacher {teacher_id}: cannot be loaded ({str(error).splitlines()[0]})") from None
-
-
-def _head_of(teacher_id: str) -> str:
-    """The head of the checkpoint (or GGUF file) TEACHER_ID."""
-    if is_gguf(teacher_id):  # Transformers reads a GGUF file as a causal LM (`convert` does too)
-        return "causal-lm"
-    return head_of_config(AutoConfig.from_pretrained(teacher_id))
 
 
 def source_config(source: str) -> NormSwapConfig:
