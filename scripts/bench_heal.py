@@ -217,11 +217,14 @@ def _ceiling_rows(report: dict) -> list[tuple]:
         return []
     ceiling = report["cpu_flops"] / report["flops_per_token"]
     share = report["tokens"] / report["seconds"] / ceiling
+    stepping = report["seconds"] - report["measuring_seconds"]
     return [
         ("GFLOP a trained token (student and teacher)", None, report["flops_per_token"] / 1e9, "", None),
         ("this CPU's float32 matrix products, GFLOP a second", None, report["cpu_flops"] / 1e9, "", None),
         ("tokens a second at that rate (the ceiling)", None, ceiling, "", None),
         ("share of the ceiling reached", None, share, ">= 0.5 (issue 60)", share >= 0.5),
+        ("seconds measuring the student (of the training's)", None, report["measuring_seconds"], "", None),
+        ("share of the ceiling, the measurements left out", None, report["tokens"] / stepping / ceiling, "", None),
     ]
 
 

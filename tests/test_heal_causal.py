@@ -7,6 +7,7 @@ import math
 import re
 import shutil
 
+import matplotlib.pyplot as plt
 import pytest
 import torch
 import torch.nn.functional as F
@@ -847,13 +848,22 @@ def test_a_recorded_stream_that_does_not_fit_the_layers_is_refused_before_loadin
     assert not (tmp_path / "out").exists()
 
 
-def test_texts_stay_within_the_absolute_positions(tmp_path, monkeypatch):
-    """A student of absolute positions (a GPT-2 of 64) refuses sampled texts longer than its table, before it loads,
-    and cuts other texts there."""
+@pytest.mark.parametrize("student_positions", ["absolute", "rope"])
+def test_texts_stay_within_the_absolute_positions(tmp_path, monkeypatch, student_positions):
+    """Where student or teacher has absolute positions (a GPT-2 of 64; the student converted to RoPE or not), sampled
+    texts longer than its table are refused, naming that model, before either loads; other texts are cut there."""
     save_source(tmp_path / "gpt2", "gpt2", "LMHeadModel")
     post = tmp_path / "post"
-    convert_checkpoint(str(tmp_path / "gpt2"), str(post), norm_placement="post", attention="causal", **QUIET)
-    refused = f"^sample_length=100 is invalid: {re.escape(str(post))} holds 64 positions"
+    convert_checkpoint(
+        str(tmp_path / "gpt2"),
+        str(post),
+        norm_placement="post",
+        attention="causal",
+        position_embedding_type=student_positions,
+        **QUIET,
+    )
+    limited = post if student_positions == "absolute" else tmp_path / "gpt2"
+    refused = f"^sample_length=100 is invalid: {re.escape(str(limited))} holds 64 positions; at most that$"
     with monkeypatch.context() as patch, pytest.raises(HealError, match=refused):
         patch.setattr(heal_models, "_load_student", lambda *args, **kwargs: pytest.fail("loaded"))
         heal_checkpoint(str(post), str(tmp_path / "out"), sample_length=100, max_steps=2, log=None)
@@ -874,7 +884,9 @@ def test_an_unparsable_budget_gives_one_line(capsys):
 
 def test_the_development_texts_stop_a_healing_that_no_longer_improves(tmp_path, llama):
     """At a learning rate that moves nothing, the KL on the development texts (measured every tenth of the steps)
-    stops falling: with patience 1 the healing stops at its second measurement; heal.json says where and why."""
+    stops falling: with patience 1 the healing stops at its second measurement; heal.json says where and why. The
+    held-out texts are measured as it begins and ends (their curve along the way would repeat the stop's), and heal.png
+    draws the development KL beside them."""
     options = {**HEAL, "max_steps": 20, "learning_rate": 1e-12, "stop_patience": 1, "dev_size": 32}
     report = heal_checkpoint(str(llama / "post"), str(tmp_path / "stopped"), **options)
     budget = report["budget"]
@@ -882,7 +894,9 @@ def test_the_development_texts_stop_a_healing_that_no_longer_improves(tmp_path, 
     assert [entry["step"] for entry in budget["development_kl"]] == [2, 4]
     assert budget["development_kl"][1]["kl"] == pytest.approx(budget["development_kl"][0]["kl"], rel=1e-4)
     assert budget["development_texts"] == 32 and budget["patience"] == 1
-    assert report["history"][-1]["step"] == 4 and report["tokens"] == 4 * 8 * 64
+    assert [entry["step"] for entry in report["history"]] == [0, 4] and report["tokens"] == 4 * 8 * 64
+    assert 0 < report["measuring_seconds"] < report["seconds"]
+    assert plt.imread(tmp_path / "stopped" / "heal.png").shape[1] == 11 * 120  # two panels, 11 inches at 120 dpi
     sampled = report["sampled_next_token"]  # on the development texts, as training begins and after
     assert set(sampled["after"]["kl_by_position"]) == {"0", "1", "2-3", "4-15", "16-63"}  # 64 tokens a text
     for figures in sampled.values():
@@ -894,7 +908,10 @@ def test_the_development_texts_stop_a_healing_that_no_longer_improves(tmp_path, 
     assert improving["budget"]["stopped_at"] is None and improving["steps"] == 20
     kl = [improving["sampled_next_token"][when]["kl"] for when in ("before", "after")]
     assert kl[1] < kl[0]
-    assert heal_checkpoint(str(llama / "post"), str(tmp_path / "unmeasured"), **HEAL)["sampled_next_token"] is None
+    unmeasured = heal_checkpoint(str(llama / "post"), str(tmp_path / "unmeasured"), **HEAL)
+    assert unmeasured["sampled_next_token"] is None and unmeasured["budget"]["development_kl"] is None
+    assert [entry["step"] for entry in unmeasured["history"]] == [0, 3, 6, 9, 12, 15, 16]  # every fifth, and the last
+    assert plt.imread(tmp_path / "unmeasured" / "heal.png").shape[1] == 6 * 120
 
 
 def test_an_interrupted_causal_healing_resumes_to_where_the_whole_one_stops(tmp_path, llama, monkeypatch):

@@ -33,6 +33,7 @@ def healing_report() -> HealReport:
         freeze_embeddings=True,
         swap_schedule="direct",
         seconds=1.5,
+        measuring_seconds=0.5,
         tokens=128,
         resumed=False,
         teacher_collapse={"first_token": [0.1, 0.2], "mean": [0.3, 0.4]},

@@ -49,7 +49,7 @@ from .checkpoints import CheckpointedHealing, checkpoint_folder, kept_checkpoint
 from .data import HealTexts, TeacherSamples, heal_texts, read_texts, sampled_ahead
 from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_layer_gates
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
-from .models import HealModels, layer_parameters, load_models, memory_settings, student_config, usable_positions
+from .models import HealModels, HealPair, layer_parameters, load_models, memory_settings, student_config
 from .norm_removal import NormRemoval
 from .options import HealOptions
 from .reconstruction import reconstruct_layers, reconstruction_batches
@@ -65,6 +65,7 @@ from .report import (
     plot_history,
 )
 from .trainer import (
+    CheckpointedFigures,
     DevelopmentStop,
     DevelopmentTexts,
     HealProbeCallback,
@@ -87,10 +88,10 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     options = HealOptions(**with_sharding_section(options))
     check_output(output, overwrite)
     healing = CheckpointedHealing.of(variant, options)  # whose checkpoints checkpoint_dir may hold
-    options = _for_student(variant, options)
+    options, pair = _for_student(variant, options)
     checkpoints = checkpoint_folder(options, output, healing)
     read = read_texts(options)
-    models = load_models(variant, options)
+    models = load_models(pair, options)
     gates = conversion_layer_gates(Path(variant), models.student.config)
     if options.swap_schedule == "direct" and removes_norms(models.student.config):
         models.student.config.first_position_scales = None  # every norm at once, the first position's divisors too
@@ -129,13 +130,15 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     return asdict(report)
 
 
-def _for_student(variant: str, options: HealOptions) -> HealOptions:
-    """The options with the defaults that VARIANT's head and conversion give (`for_head`), its text no longer than
-    its absolute positions hold."""
+def _for_student(variant: str, options: HealOptions) -> tuple[HealOptions, HealPair]:
+    """The options with the defaults that VARIANT's head and conversion give (`for_head`), its text no longer than the
+    absolute positions of student and teacher hold; and the two configurations, checked (`HealPair`)."""
     config = student_config(variant)
     options = options.for_head(head_of_config(config), out_of_pre_ln=calibrated_out_of_pre_ln(Path(variant)))
-    positions = usable_positions(config)
-    return replace(options, max_length=min(options.max_length, positions)) if positions else options
+    pair = HealPair.read(variant, options)
+    if pair.positions:
+        options = replace(options, max_length=min(options.max_length, pair.positions[0]))
+    return options, pair
 
 
 def _tokens_per_text(texts: HealTexts, options: HealOptions) -> float:
@@ -179,20 +182,19 @@ def _heal(
     gates: LayerGates | None,
     fit: _FittedLayers | None,
 ) -> HealReport:
-    """Trains the student, measured on the held-out batches as training begins, every fifth of the way and after (by
-    every process, when sharded). The layers were fitted before (`fit`, on the main process) with
-    `reconstruct_steps`: the probe then measures the fitted student whole (each layer alone swapped: of the
-    conversion only)."""
+    """Trains the student, measured on the held-out batches as training begins, every fifth of the way unless the stop
+    measures the development texts, and after (by every process, when sharded). The layers were fitted before
+    (`fit`, on the main process) with `reconstruct_steps`: the probe then measures the fitted student whole (each
+    layer alone swapped: of the conversion only)."""
     teacher, head_figures = _training_probe(models, texts, tokenizer, options, gates, fit)
-    every = max(1, options.max_steps // 5)
-    probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
     development = DevelopmentTexts(texts.development, models.teacher, models.student) if texts.development else None
     swap = _gradual_swap(models.student, gates, options, development)
     stop = DevelopmentStop.planned(development, options, from_step=swap.settled_step if swap else 0)
+    every = None if stop else max(1, options.max_steps // 5)  # the stop's measurements make the curve along the way
+    probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
     callbacks = [probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None]
-    log_history, seconds, tokens, resumed, steps = _train(
-        models, texts, options, callbacks=[callback for callback in callbacks if callback], work=work, quiet=quiet
-    )
+    callbacks = [callback for callback in callbacks if callback]
+    log_history, seconds, tokens, resumed, steps = _train(models, texts, options, callbacks, work, quiet)
     if swap:
         swap.remove()  # the saved student is the target placement
     with gathered(models.student, models.teacher):
@@ -214,6 +216,7 @@ def _heal(
         freeze_embeddings=options.freeze_embeddings,
         swap_schedule=options.swap_schedule,
         seconds=seconds,
+        measuring_seconds=sum(c.measuring_seconds for c in callbacks if isinstance(c, CheckpointedFigures)),
         tokens=tokens,
         resumed=resumed,
         teacher_collapse=collapse_of_states(teacher, [batch["attention_mask"] for batch in texts.held_out]),

@@ -60,21 +60,52 @@ class HealModels:
         return source is not None and _same_model(self.teacher_id, source)
 
 
-def load_models(variant: str, options: HealOptions) -> HealModels:
-    """The student VARIANT (embeddings frozen with `freeze_embeddings`) and its teacher, checked to fit each other and
-    the options (`for_head`'s) before either loads; unsharded, both on the launch's device (an accelerator if there
-    is one)."""
-    config = student_config(variant)
-    head = head_of_config(config)
-    check_for_student(variant, config, options)
-    teacher_id = resolve_teacher(Path(variant), options.teacher)
-    teacher = teacher_config(teacher_id, config, options.objective)
+@dataclass
+class HealPair:
+    """A healing's two configurations, read and checked against each other and the options (`for_head`'s) before
+    either model loads: the student VARIANT's and its teacher's (`resolve_teacher`)."""
+
+    variant: str
+    student: NormSwapConfig
+    teacher_id: str
+    teacher: NormSwapConfig
+
+    @classmethod
+    def read(cls, variant: str, options: HealOptions) -> "HealPair":
+        student = student_config(variant)
+        check_for_student(variant, student, options)
+        teacher_id = resolve_teacher(Path(variant), options.teacher)
+        pair = cls(variant, student, teacher_id, teacher_config(teacher_id, student, options.objective))
+        held = pair.positions
+        if options.data == "teacher" and held and options.sample_length > held[0]:
+            raise HealError(
+                f"sample_length={options.sample_length} is invalid: {held[1]} holds {held[0]} positions; at most that"
+            )
+        return pair
+
+    @property
+    def positions(self) -> tuple[int, str] | None:
+        """The fewest positions an absolute position table of student or teacher holds, and whose it is; None where
+        neither has one."""
+        held = [(usable_positions(self.student), self.variant), (usable_positions(self.teacher), self.teacher_id)]
+        return min(
+            ((count, name) for count, name in held if count is not None), key=lambda item: item[0], default=None
+        )
+
+
+def load_models(pair: HealPair, options: HealOptions) -> HealModels:
+    """The student and teacher of `pair` (the student's embeddings frozen with `freeze_embeddings`); unsharded, both
+    on the launch's device (an accelerator if there is one)."""
     dtype = getattr(torch, options.dtype)
     student, configured_dropout = _load_student(
-        Path(variant), options, empty=not loads_weights(options.sharding, trained=True)
+        Path(pair.variant), options, empty=not loads_weights(options.sharding, trained=True)
     )
     teacher, masked_lm = _load_teacher(
-        teacher_id, teacher, student_head=head, dtype=dtype, empty=not loads_weights(options.sharding)
+        pair.teacher_id,
+        pair.teacher,
+        student_head=head_of_config(pair.student),
+        dtype=dtype,
+        empty=not loads_weights(options.sharding),
     )
     if not sharded(options.sharding):  # where the Trainer will train: the fit and the sampling run there too
         student, teacher = student.to(processes().device), teacher.to(processes().device)
@@ -82,16 +113,16 @@ def load_models(variant: str, options: HealOptions) -> HealModels:
         student=student,
         configured_dropout=configured_dropout,
         teacher=teacher,
-        teacher_id=teacher_id,
+        teacher_id=pair.teacher_id,
         masked_lm=masked_lm,
         dtype=dtype,
-        student_folder=variant,
+        student_folder=pair.variant,
     )
 
 
 def check_for_student(variant: str, config: NormSwapConfig, options: HealOptions) -> None:
     """The options' rules that need the student VARIANT (its `config`, its conversion.json), with the defaults its
-    head gives (`for_head`), checked before it loads; the rest are declared with the options."""
+    head gives (`for_head`); the rest are declared with the options, or need the teacher too (`HealPair`)."""
     head = head_of_config(config)
     if options.objective in LANGUAGE_OBJECTIVES and head != LANGUAGE_OBJECTIVES[options.objective]:
         needed = LANGUAGE_OBJECTIVES[options.objective].replace("-lm", "-LM")
@@ -104,11 +135,6 @@ def check_for_student(variant: str, config: NormSwapConfig, options: HealOptions
             f"{variant}'s conversion.json records none"
         )
     check_swap_schedule(Path(variant), config, options.swap_schedule)
-    positions = usable_positions(config)
-    if options.data == "teacher" and positions is not None and options.sample_length > positions:
-        raise HealError(
-            f"sample_length={options.sample_length} is invalid: {variant} holds {positions} positions; at most that"
-        )
 
 
 def teacher_config(teacher_id: str, student: NormSwapConfig, objective: str | None = None) -> NormSwapConfig:

@@ -112,7 +112,8 @@ class NormRemoval(CheckpointedFigures):
         if self.development is None or not newly:
             return
         self.set_step(step)  # as the next step begins
-        self.stages.append(NormRemovalStage(step=step, removed=newly, **self.development.figures(model)))
+        with self.measuring():
+            self.stages.append(NormRemovalStage(step=step, removed=newly, **self.development.figures(model)))
 
     def remove(self) -> None:
         """Takes the hooks away, and the first position's divisors: the student is norm-free."""

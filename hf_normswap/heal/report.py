@@ -127,7 +127,8 @@ class HealReport(JsonRecord):
     dropout: bool
     freeze_embeddings: bool
     swap_schedule: str
-    seconds: float
+    seconds: float  # training, the measurements along the way (and the first one) included
+    measuring_seconds: float  # of `seconds`, those the measurements took
     tokens: int  # the real (not padding) tokens trained on, by every process together
     resumed: bool
     teacher_collapse: dict
@@ -183,14 +184,16 @@ HEAL_PLOT = "heal.png"
 
 def plot_history(report: HealReport, path: Path) -> None:
     """`HEAL_PLOT`: the token cosine and the collapse figures of the final output along the healing, with the
-    teacher's collapse."""
+    teacher's collapse; beside them, where the development texts were measured along the way, their KL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    development = report.budget.development_kl if report.budget else None
+    figure, axes = plt.subplots(1, 2 if development else 1, figsize=(11 if development else 6, 4), squeeze=False)
+    axis = axes[0][0]
     steps = [entry["step"] for entry in report.history]
-    figure, axis = plt.subplots(figsize=(6, 4))
     axis.plot(steps, [e["token_cosine"] for e in report.history], marker=".", label="token cosine to the teacher")
     for pooling, style in zip(POOLINGS, ("-", "--")):
         axis.plot(
@@ -209,6 +212,10 @@ def plot_history(report: HealReport, path: Path) -> None:
         )
     axis.set(xlabel="healing step", ylabel="final output, held-out text", title=f"Healing ({report.objective})")
     axis.legend(fontsize=7)
+    if development:
+        kl = axes[0][1]
+        kl.plot([e["step"] for e in development], [e["kl"] for e in development], marker=".")
+        kl.set(xlabel="healing step", ylabel="KL from the teacher, nats per token", title="Development texts")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -6,9 +6,10 @@ share of the global batch's tokens, so that the processes' averaged gradient is 
 batch (exactly so for `hidden` and `kl`; the batch-level terms of `similarity`, `cka` and `mlm` stay per process).
 """
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -127,9 +128,19 @@ def training_arguments(
 
 class CheckpointedFigures(TrainerCallback):
     """A callback whose figures go beside the Trainer's checkpoints (`FILE`) whenever it saves one, and are read back
-    (those of the steps until the checkpoint) when training resumes from one."""
+    (those of the steps until the checkpoint) when training resumes from one; `measuring_seconds`: the time it spent
+    measuring the student (`measuring`)."""
 
     FILE: str
+    measuring_seconds = 0.0
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.measuring_seconds += time.perf_counter() - started
 
     def figures(self) -> dict:
         raise NotImplementedError
@@ -164,7 +175,7 @@ class CheckpointedFigures(TrainerCallback):
 class HealProbeCallback(CheckpointedFigures):
     """Measures the student on the held-out batches as the Trainer trains it (sharded, on its device): when training
     begins (`before`, and from the same states `head_figures(student, before=True, states=...)`: `head_before`),
-    then every `every` steps before the last, for the plot; its figures kept beside the checkpoints."""
+    then, with `every`, every `every` steps before the last, for the plot; its figures kept beside the checkpoints."""
 
     FILE = "heal_probe.json"
 
@@ -173,7 +184,7 @@ class HealProbeCallback(CheckpointedFigures):
         batches: list[dict],
         teacher_states: list[tuple],
         teacher: torch.nn.Module,
-        every: int,
+        every: int | None,
         head_figures: Callable[..., dict],
     ):
         self.batches, self.teacher_states, self.teacher, self.every = batches, teacher_states, teacher, every
@@ -183,15 +194,15 @@ class HealProbeCallback(CheckpointedFigures):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.resumed(args, state):
             return
-        with gathered(model, self.teacher):  # every process measures (a sharded student needs them all)
+        with self.measuring(), gathered(model, self.teacher):  # every process measures (a sharded student needs them)
             states = student_states(model, self.batches)
             self.before = measure_states(states, self.batches, self.teacher_states)
             self.head_before = self.head_figures(model, before=True, states=states)
         self.history = [{"step": 0, **self.before[-1]}]
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.every == 0 and state.global_step < state.max_steps:
-            with gathered(model):
+        if self.every and state.global_step % self.every == 0 and state.global_step < state.max_steps:
+            with self.measuring(), gathered(model):
                 last = measure(model, self.batches, self.teacher_states)[-1]
             self.history.append({"step": state.global_step, **last})
 
@@ -257,7 +268,8 @@ class DevelopmentStop(CheckpointedFigures):
         step = state.global_step
         if step % self.every or step < self.from_step or step >= state.max_steps:
             return
-        self.history.append({"step": state.global_step, "kl": self.development.figures(model)["kl"]})
+        with self.measuring():
+            self.history.append({"step": state.global_step, "kl": self.development.figures(model)["kl"]})
         earlier, recent = self.history[: -self.patience], self.history[-self.patience :]
         best = min((entry["kl"] for entry in earlier), default=0.0)
         stalled = bool(earlier) and all(entry["kl"] > best * (1 - self.IMPROVEMENT) for entry in recent)
