@@ -56,10 +56,11 @@ def test_a_trained_token_costs_the_students_passes_and_the_teachers(healed, data
 
 
 def test_the_ceiling_is_the_rate_over_a_tokens_cost():
-    report = {"flops_per_token": 2.0e9, "cpu_flops": 1.0e11, "tokens": 1000, "seconds": 40.0}
+    report = {"flops_per_token": 2.0e9, "cpu_flops": 1.0e11, "tokens": 1000, "seconds": 40.0, "measuring_seconds": 8.0}
     rows = {name: value for name, _, value, _, _ in bench_heal._ceiling_rows(report)}
     assert rows["tokens a second at that rate (the ceiling)"] == pytest.approx(50.0, rel=1e-12)
     assert rows["share of the ceiling reached"] == pytest.approx(0.5, rel=1e-12)
+    assert rows["share of the ceiling, the measurements left out"] == pytest.approx(1000 / 32 / 50, rel=1e-12)
     assert rows["GFLOP a trained token (student and teacher)"] == pytest.approx(2.0, rel=1e-12)
     assert bench_heal._ceiling_rows({"tokens": 1000, "seconds": 40.0}) == []  # healed on an accelerator
 

@@ -862,8 +862,8 @@ def test_texts_stay_within_the_absolute_positions(tmp_path, monkeypatch, student
         position_embedding_type=student_positions,
         **QUIET,
     )
-    limited = post if student_positions == "absolute" else tmp_path / "gpt2"
-    refused = f"^sample_length=100 is invalid: {re.escape(str(limited))} holds 64 positions; at most that$"
+    limited = str(post) if student_positions == "absolute" else f"the teacher {tmp_path / 'gpt2'}"
+    refused = f"^sample_length=100 is invalid: {re.escape(limited)} holds 64 positions; at most that$"
     with monkeypatch.context() as patch, pytest.raises(HealError, match=refused):
         patch.setattr(heal_models, "_load_student", lambda *args, **kwargs: pytest.fail("loaded"))
         heal_checkpoint(str(post), str(tmp_path / "out"), sample_length=100, max_steps=2, log=None)

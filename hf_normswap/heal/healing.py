@@ -183,17 +183,17 @@ def _heal(
     fit: _FittedLayers | None,
 ) -> HealReport:
     """Trains the student, measured on the held-out batches as training begins, every fifth of the way unless the stop
-    measures the development texts, and after (by every process, when sharded). The layers were fitted before
-    (`fit`, on the main process) with `reconstruct_steps`: the probe then measures the fitted student whole (each
-    layer alone swapped: of the conversion only)."""
+    measures the development texts from the start, and after (by every process, when sharded). The layers were fitted
+    before (`fit`, on the main process) with `reconstruct_steps`: the probe then measures the fitted student whole
+    (each layer alone swapped: of the conversion only)."""
     teacher, head_figures = _training_probe(models, texts, tokenizer, options, gates, fit)
     development = DevelopmentTexts(texts.development, models.teacher, models.student) if texts.development else None
     swap = _gradual_swap(models.student, gates, options, development)
     stop = DevelopmentStop.planned(development, options, from_step=swap.settled_step if swap else 0)
-    every = None if stop else max(1, options.max_steps // 5)  # the stop's measurements make the curve along the way
+    # from the first step the stop's measurements make the curve along the way; after a gradual swap they do not
+    every = None if stop and stop.from_step == 0 else max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
-    callbacks = [probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None]
-    callbacks = [callback for callback in callbacks if callback]
+    callbacks = [c for c in (probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None) if c]
     log_history, seconds, tokens, resumed, steps = _train(models, texts, options, callbacks, work, quiet)
     if swap:
         swap.remove()  # the saved student is the target placement

@@ -87,7 +87,10 @@ class HealPair:
     def positions(self) -> tuple[int, str] | None:
         """The fewest positions an absolute position table of student or teacher holds, and whose it is; None where
         neither has one."""
-        held = [(usable_positions(self.student), self.variant), (usable_positions(self.teacher), self.teacher_id)]
+        held = [
+            (usable_positions(self.student), self.variant),
+            (usable_positions(self.teacher), f"the teacher {self.teacher_id}"),
+        ]
         return min(
             ((count, name) for count, name in held if count is not None), key=lambda item: item[0], default=None
         )
@@ -156,7 +159,7 @@ def teacher_config(teacher_id: str, student: NormSwapConfig, objective: str | No
 
 
 def usable_positions(config: NormSwapConfig) -> int | None:
-    """The positions a student of absolute position embeddings holds (its table less its offset); None for others,
+    """The positions a model of absolute position embeddings holds (its table less its offset); None for others,
     which have no table to run past."""
     if config.position_embedding_type != "absolute":
         return None

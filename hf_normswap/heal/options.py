@@ -232,7 +232,7 @@ class HealOptions:
             "rules": (at_least(0, "0 (never stop early) or more"),),
             "help": "with --data teacher: stop once the next-token KL on --dev-size development texts (sampled with a "
             "seed of their own) has not fallen 1% below its best for this many measurements, every tenth of the "
-            "steps once a gradual --swap-schedule has ended (0: never)",
+            "steps once a gradual --swap-schedule has ended, in place of the held-out texts (0: never)",
         },
     )
     dev_size: int = field(
@@ -267,10 +267,18 @@ class HealOptions:
     )
     max_length: int = field(
         default=128,
-        metadata={"rules": (positive(),), "help": "tokens per text at most (at most a student's absolute positions)"},
+        metadata={
+            "rules": (positive(),),
+            "help": "tokens per text at most (at most the absolute positions of student or teacher)",
+        },
     )
     eval_size: int = field(
-        default=256, metadata={"rules": (positive(),), "help": "held-out texts measured before, during and after"}
+        default=256,
+        metadata={
+            "rules": (positive(),),
+            "help": "held-out texts measured before and after, and every fifth of the steps unless --stop-patience "
+            "measures",
+        },
     )
     checkpoint_dir: str | None = field(
         default=None,
