@@ -32,6 +32,7 @@ from hf_normswap.heal.data import (
     teacher_samples,
 )
 from hf_normswap.heal.gradual_swap import GradualSwap, conversion_layer_gates
+from hf_normswap.heal.plan import heal_plan
 from hf_normswap.heal.reconstruction import reconstruct_layers, reconstruction_batches
 from hf_normswap.heal.trainer import HealTrainer
 from hf_normswap.hub.card import build_card
@@ -867,6 +868,8 @@ def test_texts_stay_within_the_absolute_positions(tmp_path, monkeypatch, student
     with monkeypatch.context() as patch, pytest.raises(HealError, match=refused):
         patch.setattr(heal_models, "_load_student", lambda *args, **kwargs: pytest.fail("loaded"))
         heal_checkpoint(str(post), str(tmp_path / "out"), sample_length=100, max_steps=2, log=None)
+    with pytest.raises(HealError, match=refused):  # `heal --plan` refuses what `heal` refuses
+        heal_plan(str(post), HealOptions(sample_length=100), processes=1)
     (tmp_path / "long.txt").write_text("".join(" ".join([word] * 300) + "\n" for word in ("a", "b", "c", "d")))
     options = dict(HEAL, max_steps=1, batch_size=2, data=str(tmp_path / "long.txt"), max_length=100)
     report = heal_checkpoint(str(post), str(tmp_path / "out"), **options, reconstruct_steps=0)

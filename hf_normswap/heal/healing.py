@@ -47,9 +47,9 @@ from ..sharding import (
 )
 from .checkpoints import CheckpointedHealing, checkpoint_folder, kept_checkpoints
 from .data import HealTexts, TeacherSamples, heal_texts, read_texts, sampled_ahead
-from .gradual_swap import GradualSwap, calibrated_out_of_pre_ln, conversion_layer_gates
+from .gradual_swap import GradualSwap, conversion_layer_gates
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
-from .models import HealModels, HealPair, layer_parameters, load_models, memory_settings, student_config
+from .models import HealModels, for_student, layer_parameters, load_models, memory_settings
 from .norm_removal import NormRemoval
 from .options import HealOptions
 from .reconstruction import reconstruct_layers, reconstruction_batches
@@ -88,7 +88,7 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     options = HealOptions(**with_sharding_section(options))
     check_output(output, overwrite)
     healing = CheckpointedHealing.of(variant, options)  # whose checkpoints checkpoint_dir may hold
-    options, pair = _for_student(variant, options)
+    options, pair = for_student(variant, options)
     checkpoints = checkpoint_folder(options, output, healing)
     read = read_texts(options)
     models = load_models(pair, options)
@@ -128,17 +128,6 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
         log(report.summary())
         log(f"wrote {output}")
     return asdict(report)
-
-
-def _for_student(variant: str, options: HealOptions) -> tuple[HealOptions, HealPair]:
-    """The options with the defaults that VARIANT's head and conversion give (`for_head`), its text no longer than the
-    absolute positions of student and teacher hold; and the two configurations, checked (`HealPair`)."""
-    config = student_config(variant)
-    options = options.for_head(head_of_config(config), out_of_pre_ln=calibrated_out_of_pre_ln(Path(variant)))
-    pair = HealPair.read(variant, options)
-    if pair.positions:
-        options = replace(options, max_length=min(options.max_length, pair.positions[0]))
-    return options, pair
 
 
 def _tokens_per_text(texts: HealTexts, options: HealOptions) -> float:

@@ -9,7 +9,7 @@ so a norm weight's steps (about the learning rate) would round away (measured: t
 """
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -94,6 +94,17 @@ class HealPair:
         return min(
             ((count, name) for count, name in held if count is not None), key=lambda item: item[0], default=None
         )
+
+
+def for_student(variant: str, options: HealOptions) -> tuple[HealOptions, HealPair]:
+    """The options with the defaults that VARIANT's head and conversion give (`for_head`), its text no longer than the
+    absolute positions of student and teacher hold; and the two configurations, checked (`HealPair`)."""
+    config = student_config(variant)
+    options = options.for_head(head_of_config(config), out_of_pre_ln=calibrated_out_of_pre_ln(Path(variant)))
+    pair = HealPair.read(variant, options)
+    if pair.positions:
+        options = replace(options, max_length=min(options.max_length, pair.positions[0]))
+    return options, pair
 
 
 def load_models(pair: HealPair, options: HealOptions) -> HealModels:

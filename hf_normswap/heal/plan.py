@@ -1,10 +1,8 @@
 """`heal --plan`: the memory each process of a healing will hold, from the configurations alone (nothing loads)."""
 
-from pathlib import Path
-
 from ..model.heads import head_of_config
 from ..sharding import MemoryPlan, plan_memory
-from .models import resolve_teacher, student_config, teacher_config
+from .models import for_student
 from .options import HealOptions
 
 
@@ -12,8 +10,8 @@ def heal_plan(variant: str, options: HealOptions, processes: int) -> MemoryPlan:
     """The per-process memory of healing VARIANT with `options` on `processes` processes: the student's weights,
     gradients and AdamW states (its embeddings frozen with `freeze_embeddings`, only its norms trained with `lora`:
     the adapters are not counted) and the teacher's weights."""
-    student = student_config(variant)
-    teacher = teacher_config(resolve_teacher(Path(variant), options.teacher), student)
+    options, pair = for_student(variant, options)  # refused as `heal` refuses it
+    student, teacher = pair.student, pair.teacher
     if head_of_config(teacher) != head_of_config(student):  # the teacher runs without a head then
         teacher.architectures = None
 
