@@ -35,7 +35,8 @@ def llama(tmp_path_factory):
 
 
 def test_unsharded_models_load_onto_the_gpu(llama):
-    models = load_models(HealPair.read(str(llama / "post"), HealOptions()), HealOptions())
+    options = HealOptions()
+    models = load_models(HealPair.read(str(llama / "post"), options), options)
     assert {parameter.device for parameter in models.student.parameters()} == {GPU}
     assert {parameter.device for parameter in models.teacher.parameters()} == {GPU}
 
