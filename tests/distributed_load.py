@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from hf_normswap.compare.variants import Start, build_model
 from hf_normswap.heal.data import heal_texts, read_texts
-from hf_normswap.heal.models import HealPair, load_models
+from hf_normswap.heal.models import for_student, load_models
 from hf_normswap.heal.options import HealOptions
 from hf_normswap.sharding import (
     ShardingOptions,
@@ -45,7 +45,8 @@ def load_and_shard(variant: Path) -> dict:
         max_steps=1,
         sharding=ShardingOptions(fsdp=True),
     )
-    models = load_models(HealPair.read(str(variant), options), options)
+    options, pair = for_student(str(variant), options)
+    models = load_models(pair, options)
     loaded = {"student": holds_weights(models.student), "teacher": holds_weights(models.teacher)}
     tokenizer = AutoTokenizer.from_pretrained(variant)
     texts = heal_texts(read_texts(options), options=options, tokenizer=tokenizer, teacher=models.teacher)

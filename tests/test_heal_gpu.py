@@ -12,7 +12,7 @@ from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.convert import load_unswapped
 from hf_normswap.heal import HealOptions
 from hf_normswap.heal.data import TeacherSamples, groups_at_once, sampled_together
-from hf_normswap.heal.models import HealPair, load_models
+from hf_normswap.heal.models import for_student, load_models
 from hf_normswap.heal.options import FITTED_DEFAULTS
 
 from helpers import save_source
@@ -35,8 +35,8 @@ def llama(tmp_path_factory):
 
 
 def test_unsharded_models_load_onto_the_gpu(llama):
-    options = HealOptions()
-    models = load_models(HealPair.read(str(llama / "post"), options), options)
+    options, pair = for_student(str(llama / "post"), HealOptions())
+    models = load_models(pair, options)
     assert {parameter.device for parameter in models.student.parameters()} == {GPU}
     assert {parameter.device for parameter in models.teacher.parameters()} == {GPU}
 

@@ -71,16 +71,18 @@ class HealPair:
     teacher: NormSwapConfig
 
     @classmethod
-    def read(cls, variant: str, options: HealOptions) -> "HealPair":
-        student = student_config(variant)
+    def read(cls, variant: str, student: NormSwapConfig, options: HealOptions) -> "HealPair":
+        """VARIANT (of configuration `student`) with its teacher's configuration, checked (`check_for_student`,
+        `teacher_config`, sampled texts within their positions)."""
         check_for_student(variant, student, options)
         teacher_id = resolve_teacher(Path(variant), options.teacher)
         pair = cls(variant, student, teacher_id, teacher_config(teacher_id, student, options.objective))
-        held = pair.positions
-        if options.data == "teacher" and held and options.sample_length > held[0]:
-            raise HealError(
-                f"sample_length={options.sample_length} is invalid: {held[1]} holds {held[0]} positions; at most that"
-            )
+        if options.data == "teacher" and pair.positions:
+            count, holder = pair.positions
+            if options.sample_length > count:
+                raise HealError(
+                    f"sample_length={options.sample_length} is invalid: {holder} holds {count} positions; at most that"
+                )
         return pair
 
     @property
@@ -98,10 +100,11 @@ class HealPair:
 
 def for_student(variant: str, options: HealOptions) -> tuple[HealOptions, HealPair]:
     """The options with the defaults that VARIANT's head and conversion give (`for_head`), its text no longer than the
-    absolute positions of student and teacher hold; and the two configurations, checked (`HealPair`)."""
-    config = student_config(variant)
-    options = options.for_head(head_of_config(config), out_of_pre_ln=calibrated_out_of_pre_ln(Path(variant)))
-    pair = HealPair.read(variant, options)
+    absolute positions of student and teacher hold; and the two configurations, checked (`HealPair`): what `heal` and
+    `heal --plan` refuse before any model loads."""
+    student = student_config(variant)
+    options = options.for_head(head_of_config(student), out_of_pre_ln=calibrated_out_of_pre_ln(Path(variant)))
+    pair = HealPair.read(variant, student, options)
     if pair.positions:
         options = replace(options, max_length=min(options.max_length, pair.positions[0]))
     return options, pair
