@@ -8,9 +8,9 @@ sample (256 by default):
 - SmolLM2: KL(source || healed) of the next-token distributions (target <= 0.2 nats per token), top-1 agreement
   (target >= 0.8), greedy agreement (target >= 0.3), and the time of conversion and healing (target: <= 30 minutes on
   2 CPU cores); then issue 60's: the KL (<= 0.232) and top-1 (>= 0.727) of the earlier defaults, in no more time
-  than they took (722 s at 416 GFLOP/s, scaled by this CPU's rate); healed on a CPU, also the matrix-product FLOPs a
-  trained token costs, the CPU's float32 rate, the tokens a second the two allow at most, and the share of that
-  reached (issue 60: >= 0.5).
+  than they took (722 s at 416 GFLOP/s and 970 s at 227, each scaled by this CPU's rate, the tighter taken); healed
+  on a CPU, also the matrix-product FLOPs a trained token costs, the CPU's float32 rate, the tokens a second the two
+  allow at most, and the share of that reached (issue 60: >= 0.5).
 
     python scripts/bench_heal.py [--model smollm2] [--placement post] [--objective hidden] [--max-steps 300]
         [--learning-rate 2e-4] [--no-packing] [--no-calibrate] [--dropout] [--no-freeze-embeddings]
@@ -89,8 +89,9 @@ def main() -> None:
 
 
 # Issue 60's targets for SmolLM2 post-LN with every default: the earlier defaults' KL and top-1 kept, in no more
-# time than they took (722 s on a CPU of 416 GFLOP/s, scaled by this CPU's rate), training at half the ceiling.
-EARLIER_DEFAULTS = {"kl": 0.232, "top1_agreement": 0.727, "seconds": 722, "cpu_flops": 416e9}
+# time than they took, training at half the ceiling. Their wall seconds were measured twice, each scaled by this CPU's
+# rate and the tighter taken: 722 s at 416 GFLOP/s (the issue's), and 970 s at 227 on two cores (158df4e, 2026-12-07).
+EARLIER_DEFAULTS = {"kl": 0.232, "top1_agreement": 0.727, "seconds_at_rate": ((722, 416e9), (970, 227e9))}
 
 
 def _causal_rows(report: dict) -> list[tuple]:
@@ -166,13 +167,14 @@ def _earlier_defaults_rows(report: dict) -> list[tuple]:
         ),
     ]
     if "cpu_flops" in report:
-        limit = earlier["seconds"] * earlier["cpu_flops"] / report["cpu_flops"]
+        measured = ", ".join(f"{seconds} s at {rate / 1e9:.0f}" for seconds, rate in earlier["seconds_at_rate"])
+        limit = min(seconds * rate / report["cpu_flops"] for seconds, rate in earlier["seconds_at_rate"])
         rows.append(
             (
                 "wall seconds, issue 60: the earlier defaults' at this rate",
                 None,
                 report["wall_seconds"],
-                f"<= {limit:.0f} (722 at 416 GFLOP/s)",
+                f"<= {limit:.0f} ({measured} GFLOP/s)",
                 report["wall_seconds"] <= limit,
             )
         )

@@ -65,6 +65,20 @@ def test_the_ceiling_is_the_rate_over_a_tokens_cost():
     assert bench_heal._ceiling_rows({"tokens": 1000, "seconds": 40.0}) == []  # healed on an accelerator
 
 
+def test_the_earlier_defaults_time_is_the_tighter_of_their_measurements():
+    after = {"kl": 0.24, "top1_agreement": 0.73}
+    report = {"next_token": {"after": after}, "cpu_flops": 220e9, "wall_seconds": 1000.0}
+    rows = {name: (value, target, met) for name, _, value, target, met in bench_heal._earlier_defaults_rows(report)}
+    value, target, met = rows["wall seconds, issue 60: the earlier defaults' at this rate"]
+    assert target == f"<= {970 * 227 / 220:.0f} (722 s at 416, 970 s at 227 GFLOP/s)"  # 1001, not 722 * 416 / 220
+    assert (value, met) == (1000.0, True)
+    assert rows["KL, issue 60: the earlier defaults' kept"][2] is False  # 0.24 > 0.232
+    assert rows["top-1 agreement, issue 60: the earlier defaults' kept"][2] is True
+    report["wall_seconds"] = 1002.0
+    assert bench_heal._earlier_defaults_rows(report)[-1][4] is False  # the time row, met no more
+    assert len(bench_heal._earlier_defaults_rows({"next_token": {"after": after}})) == 2  # on an accelerator
+
+
 def test_the_matrix_product_rate_is_measured():
     rate = bench_heal._matrix_product_rate(size=128, rounds=2, repeats=2)
     assert 1e8 < rate < 1e14  # FLOP a second: between a slow core and any accelerator's float32
