@@ -7,7 +7,6 @@ import math
 import re
 import shutil
 
-import matplotlib.pyplot as plt
 import pytest
 import torch
 import torch.nn.functional as F
@@ -888,8 +887,10 @@ def test_an_unparsable_budget_gives_one_line(capsys):
 def test_the_development_texts_stop_a_healing_that_no_longer_improves(tmp_path, llama):
     """At a learning rate that moves nothing, the KL on the development texts (measured every tenth of the steps)
     stops falling: with patience 1 the healing stops at its second measurement; heal.json says where and why. The
-    held-out texts are measured as it begins and ends (their curve along the way would repeat the stop's), and heal.png
-    draws the development KL beside them."""
+    held-out texts are measured as it begins and ends (the stop's development KL is the curve along the way), and
+    heal.png draws it beside them."""
+    from matplotlib.image import imread
+
     options = {**HEAL, "max_steps": 20, "learning_rate": 1e-12, "stop_patience": 1, "dev_size": 32}
     report = heal_checkpoint(str(llama / "post"), str(tmp_path / "stopped"), **options)
     budget = report["budget"]
@@ -899,7 +900,7 @@ def test_the_development_texts_stop_a_healing_that_no_longer_improves(tmp_path, 
     assert budget["development_texts"] == 32 and budget["patience"] == 1
     assert [entry["step"] for entry in report["history"]] == [0, 4] and report["tokens"] == 4 * 8 * 64
     assert 0 < report["measuring_seconds"] < report["seconds"]
-    assert plt.imread(tmp_path / "stopped" / "heal.png").shape[1] == 11 * 120  # two panels, 11 inches at 120 dpi
+    assert imread(tmp_path / "stopped" / "heal.png").shape[1] == 11 * 120  # two panels, 11 inches at 120 dpi
     sampled = report["sampled_next_token"]  # on the development texts, as training begins and after
     assert set(sampled["after"]["kl_by_position"]) == {"0", "1", "2-3", "4-15", "16-63"}  # 64 tokens a text
     for figures in sampled.values():
@@ -914,7 +915,7 @@ def test_the_development_texts_stop_a_healing_that_no_longer_improves(tmp_path, 
     unmeasured = heal_checkpoint(str(llama / "post"), str(tmp_path / "unmeasured"), **HEAL)
     assert unmeasured["sampled_next_token"] is None and unmeasured["budget"]["development_kl"] is None
     assert [entry["step"] for entry in unmeasured["history"]] == [0, 3, 6, 9, 12, 15, 16]  # every fifth, and the last
-    assert plt.imread(tmp_path / "unmeasured" / "heal.png").shape[1] == 6 * 120
+    assert imread(tmp_path / "unmeasured" / "heal.png").shape[1] == 6 * 120
 
 
 def test_an_interrupted_causal_healing_resumes_to_where_the_whole_one_stops(tmp_path, llama, monkeypatch):

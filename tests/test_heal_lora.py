@@ -11,7 +11,7 @@ from transformers import AutoModel, AutoTokenizer
 from hf_normswap import convert_checkpoint, heal_checkpoint
 from hf_normswap.cli import main as cli
 from hf_normswap.heal import HealError, HealOptions, healing
-from hf_normswap.heal.models import NORM_CLASSES, _load_student
+from hf_normswap.heal.models import NORM_CLASSES, _load_student, student_config
 from hf_normswap.model.heads import HEAD_CLASSES
 
 from helpers import SENTENCES, save_source, tiny_config
@@ -134,7 +134,8 @@ def test_lora_keeps_frozen_embedding_norm(tmp_path):
     """PEFT picks the norms to train by suffix: a final norm named `norm` would pick the embeddings' norm too."""
     HEAD_CLASSES["base"](tiny_config(norm_placement=["post", "pre"])).save_pretrained(tmp_path)  # both norms exist
     for freeze in (True, False):
-        student, _ = _load_student(tmp_path, HealOptions(lora=True, lora_rank=RANK, freeze_embeddings=freeze))
+        options = HealOptions(lora=True, lora_rank=RANK, freeze_embeddings=freeze)
+        student, _ = _load_student(tmp_path, student_config(tmp_path), options)
         trained = {name for name, p in student.named_parameters() if p.requires_grad and ".lora_" not in name}
         embedding_norm = {name for name in trained if ".embeddings." in name}
         assert "base_model.model.norm.modules_to_save.default.weight" in trained

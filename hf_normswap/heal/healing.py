@@ -179,7 +179,7 @@ def _heal(
     development = DevelopmentTexts(texts.development, models.teacher, models.student) if texts.development else None
     swap = _gradual_swap(models.student, gates, options, development)
     stop = DevelopmentStop.planned(development, options, from_step=swap.settled_step if swap else 0)
-    # from the first step the stop's measurements make the curve along the way; after a gradual swap they do not
+    # where the stop measures the development texts from the first step, the held-out texts only begin and end
     every = None if stop and stop.from_step == 0 else max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
     callbacks = [c for c in (probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None) if c]

@@ -8,6 +8,7 @@ tokens. In bfloat16, the student's trainable norms stay in float32: bfloat16 spa
 so a norm weight's steps (about the learning rate) would round away (measured: they did not move at all).
 """
 
+import copy
 import types
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,12 +78,11 @@ class HealPair:
         check_for_student(variant, student, options)
         teacher_id = resolve_teacher(Path(variant), options.teacher)
         pair = cls(variant, student, teacher_id, teacher_config(teacher_id, student, options.objective))
-        if options.data == "teacher" and pair.positions:
-            count, holder = pair.positions
-            if options.sample_length > count:
-                raise HealError(
-                    f"sample_length={options.sample_length} is invalid: {holder} holds {count} positions; at most that"
-                )
+        count, holder = pair.positions or (None, None)
+        if options.data == "teacher" and count is not None and options.sample_length > count:
+            raise HealError(
+                f"sample_length={options.sample_length} is invalid: {holder} holds {count} positions; at most that"
+            )
         return pair
 
     @property
@@ -105,8 +105,9 @@ def for_student(variant: str, options: HealOptions) -> tuple[HealOptions, HealPa
     student = student_config(variant)
     options = options.for_head(head_of_config(student), out_of_pre_ln=calibrated_out_of_pre_ln(Path(variant)))
     pair = HealPair.read(variant, student, options)
-    if pair.positions:
-        options = replace(options, max_length=min(options.max_length, pair.positions[0]))
+    positions = pair.positions
+    if positions:
+        options = replace(options, max_length=min(options.max_length, positions[0]))
     return options, pair
 
 
@@ -114,9 +115,8 @@ def load_models(pair: HealPair, options: HealOptions) -> HealModels:
     """The student and teacher of `pair` (the student's embeddings frozen with `freeze_embeddings`); unsharded, both
     on the launch's device (an accelerator if there is one)."""
     dtype = getattr(torch, options.dtype)
-    student, configured_dropout = _load_student(
-        Path(pair.variant), options, empty=not loads_weights(options.sharding, trained=True)
-    )
+    empty = not loads_weights(options.sharding, trained=True)
+    student, configured_dropout = _load_student(Path(pair.variant), copy.deepcopy(pair.student), options, empty=empty)
     teacher, masked_lm = _load_teacher(
         pair.teacher_id,
         pair.teacher,
@@ -154,7 +154,7 @@ def check_for_student(variant: str, config: NormSwapConfig, options: HealOptions
     check_swap_schedule(Path(variant), config, options.swap_schedule)
 
 
-def teacher_config(teacher_id: str, student: NormSwapConfig, objective: str | None = None) -> NormSwapConfig:
+def teacher_config(teacher_id: str, student: NormSwapConfig, objective: str | None) -> NormSwapConfig:
     """The configuration of the teacher TEACHER_ID (`source_config`), refused in one line if it does not fit the
     `student` (`SHARED_FIELDS`) or lacks the head the `objective` needs."""
     try:
@@ -220,20 +220,21 @@ def student_config(variant: str | Path) -> NormSwapConfig:
         raise HealError(f"{variant}: not a NormSwap checkpoint ({str(error).splitlines()[0]})") from None
 
 
-def _load_student(folder: Path, options: HealOptions, empty: bool = False) -> tuple[torch.nn.Module, dict]:
-    """The variant with its own head class in the options' dtype (its trainable norms in float32), without dropout
-    unless `dropout`, its embeddings frozen with `freeze_embeddings`, with adapters with `lora`; and its configured
-    dropout. With `empty`, its weights are not read (`empty_model`)."""
-    config = student_config(folder)
+def _load_student(
+    folder: Path, config: NormSwapConfig, options: HealOptions, empty: bool = False
+) -> tuple[torch.nn.Module, dict]:
+    """The variant in `folder` (of configuration `config`, which this changes) with its own head class in the options'
+    dtype (its trainable norms in float32), without dropout unless `dropout`, its embeddings frozen with
+    `freeze_embeddings`, with adapters with `lora`; and its configured dropout. With `empty`, its weights are not read
+    (`empty_model`)."""
     configured = {field: getattr(config, field) for field in DROPOUT_FIELDS}
-    off = {} if options.dropout else {field: 0.0 for field, value in configured.items() if value is not None}
+    config.update({} if options.dropout else {field: 0.0 for field, value in configured.items() if value is not None})
     dtype, head = getattr(torch, options.dtype), head_of_config(config)
     if empty:
-        config.update(off)
         student = empty_model(config, head, dtype)
         student.tie_weights()
     else:
-        student = HEAD_CLASSES[head].from_pretrained(folder, dtype=dtype, **off)
+        student = HEAD_CLASSES[head].from_pretrained(folder, config=config, dtype=dtype)
     embeddings = student.base_model.embeddings
     embeddings.requires_grad_(not options.freeze_embeddings)
     norms = {

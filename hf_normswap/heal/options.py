@@ -232,7 +232,7 @@ class HealOptions:
             "rules": (at_least(0, "0 (never stop early) or more"),),
             "help": "with --data teacher: stop once the next-token KL on --dev-size development texts (sampled with a "
             "seed of their own) has not fallen 1% below its best for this many measurements, every tenth of the "
-            "steps once a gradual --swap-schedule has ended, in place of the held-out texts (0: never)",
+            "steps once a gradual --swap-schedule has ended; without one, in place of the held-out curve (0: never)",
         },
     )
     dev_size: int = field(
@@ -277,7 +277,7 @@ class HealOptions:
         metadata={
             "rules": (positive(),),
             "help": "held-out texts measured before and after, and every fifth of the steps unless --stop-patience "
-            "measures",
+            "measures from the first step (with --data teacher and no gradual --swap-schedule)",
         },
     )
     checkpoint_dir: str | None = field(
