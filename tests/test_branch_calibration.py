@@ -166,7 +166,7 @@ def test_a_gradual_swap_into_sandwich_starts_at_the_source_and_ends_at_the_targe
     input_ids = torch.randint(4, 60, (3, 12), generator=torch.Generator().manual_seed(0))
     target, expected = _logits(model, input_ids), _logits(source, input_ids)
     assert (target - expected).abs().max() > 1e-2 * expected.abs().max()  # the swap changes the function
-    gates = conversion_layer_gates(llama / "sandwich-calibrated", model.config)
+    gates = conversion_layer_gates(ConversionRecord.read(llama / "sandwich-calibrated"), model.config)
     swap = GradualSwap(model, gates, "layers", max_steps=8)
     swap.set_step(0)
     assert gates == LayerGates() and swap.mix.gates.tolist() == [0.0] * 4

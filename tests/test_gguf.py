@@ -244,7 +244,7 @@ def test_convert_and_heal_take_a_shipped_models_name(tiny_gguf, tmp_path, scratc
     output = tmp_path / "out"
     assert cli(["convert", "smollm2", str(output), "--attention", "causal", "--head", "causal-lm"]) == 0
     assert json.loads((output / "conversion.json").read_text())["source"]["id"] == str(tiny_gguf)
-    assert resolve_teacher(output, "smollm2") == str(tiny_gguf)
+    assert resolve_teacher(str(output), None, "smollm2") == str(tiny_gguf)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "smollm2").mkdir()  # a folder of that name is what it names
-    assert resolve_teacher(output, "smollm2") == "smollm2"
+    assert resolve_teacher(str(output), None, "smollm2") == "smollm2"

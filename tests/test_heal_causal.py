@@ -144,7 +144,9 @@ def test_gradual_swap_starts_at_the_source_and_ends_at_the_target(llama, placeme
     model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / placement).eval()
     input_ids = torch.randint(4, 60, (3, 12), generator=torch.Generator().manual_seed(0))
     target = _logits(model, input_ids)
-    swap = GradualSwap(model, conversion_layer_gates(llama / placement, model.config), "layers", max_steps=8)
+    swap = GradualSwap(
+        model, conversion_layer_gates(ConversionRecord.read(llama / placement), model.config), "layers", max_steps=8
+    )
     swap.set_step(0)
     expected = _logits(source, input_ids)
     assert (_logits(model, input_ids) - expected).abs().max() <= 1e-4 * expected.abs().max()
@@ -163,7 +165,9 @@ def test_the_taper_starts_at_the_exact_per_token_rewrite(llama, placement):
     model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / placement).eval()
     input_ids = torch.randint(4, 60, (3, 12), generator=torch.Generator().manual_seed(0))
     target, expected = _logits(model, input_ids), _logits(source, input_ids)
-    swap = GradualSwap(model, conversion_layer_gates(llama / placement, model.config), "taper", max_steps=8)
+    swap = GradualSwap(
+        model, conversion_layer_gates(ConversionRecord.read(llama / placement), model.config), "taper", max_steps=8
+    )
     swap.set_step(0)
     assert swap.mix.gates.tolist() == [0.0] * 4 and swap.mix.per_token.tolist() == [1.0] * 4
     assert (_logits(model, input_ids) - expected).abs().max() <= 1e-4 * expected.abs().max()
@@ -184,7 +188,7 @@ def test_kl_by_layer_swaps_each_layer_alone(llama, placement):
     source = load_unswapped(str(llama / "llama"), head="causal-lm")
     model = HEAD_CLASSES["causal-lm"].from_pretrained(llama / placement).eval()
     batch = swap_batch(llama / placement, model.config.vocab_size)
-    gates = conversion_layer_gates(llama / placement, model.config)
+    gates = conversion_layer_gates(ConversionRecord.read(llama / placement), model.config)
     per_layer = kl_by_layer(source, model, gates, [batch])
     assert effect["kl_by_layer"] == pytest.approx(per_layer, rel=1e-4, abs=1e-7)
     assert len(per_layer) == model.config.num_hidden_layers and min(per_layer) > 1e-4

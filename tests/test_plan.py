@@ -8,6 +8,7 @@ from hf_normswap import convert_checkpoint
 from hf_normswap.cli import main
 from hf_normswap.compare.experiment import Experiment
 from hf_normswap.compare.plan import comparison_plan
+from hf_normswap.convert import load_unswapped
 from hf_normswap.heal.options import HealOptions
 from hf_normswap.heal.plan import heal_plan
 from hf_normswap.sharding import ShardingOptions, describe_plan
@@ -66,6 +67,18 @@ def test_heal_plan_of_one_process_is_not_sharded_and_counts_lora_norms_only(tmp_
     assert not one.sharded and one.processes == 1
     norms = json.loads((tmp_path / "post" / "config.json").read_text())["hidden_size"] * 2 * 2
     assert lora.trainable_parameters == norms  # 2 layers x 2 norms (the embedding norm stays frozen)
+
+
+def test_heal_plan_counts_the_teacher_as_healing_loads_it(tmp_path):
+    """Student and teacher sharing a head that is not a language model's: the teacher runs (and is counted) without
+    it."""
+    save_source(tmp_path / "source", "bert", "ForSequenceClassification")
+    convert_checkpoint(str(tmp_path / "source"), str(tmp_path / "pre"), norm_placement="pre", log=lambda line: None)
+    teacher = load_unswapped(str(tmp_path / "source"), head="base")
+    classifier = load_unswapped(str(tmp_path / "source"), head="sequence-classification")
+    plan = heal_plan(str(tmp_path / "pre"), HealOptions(), processes=1)
+    assert plan.teacher == 4 * sum(p.numel() for p in teacher.parameters())  # float32, whole
+    assert plan.teacher < 4 * sum(p.numel() for p in classifier.parameters())
 
 
 def test_compare_plan_reads_the_experiments_model(tmp_path, capsys):

@@ -6,14 +6,11 @@ norms write (post, pre_post, deepnorm) is gated at its stream points, sandwich a
 step (where the healing measures the student as it starts) the gates are open.
 """
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
 from ..convert.branch_calibration import removes_norms
-from ..convert.calibration import CalibrationRecord
 from ..convert.converter import ConversionRecord
 from ..model.configuration_normswap import NormSwapConfig
 from ..probes.stream_mix import LayerGates
@@ -49,28 +46,25 @@ class GradualSwap(TrainerCallback):
         self.set_step(state.global_step)
 
 
-def _conversion_calibration(variant: Path) -> CalibrationRecord | None:
-    record = ConversionRecord.read(variant)
-    return record.calibration if record else None
-
-
-def conversion_layer_gates(variant: Path, config: NormSwapConfig) -> LayerGates | None:
-    """How VARIANT (of `config`), calibrated out of pre-LN, computes its source layer by layer, from its
-    conversion.json, or None."""
-    calibration = _conversion_calibration(variant)
+def conversion_layer_gates(conversion: ConversionRecord | None, config: NormSwapConfig) -> LayerGates | None:
+    """How a variant (of `config`) calibrated out of pre-LN computes its source layer by layer, from its
+    `conversion` record, or None."""
+    calibration = conversion.calibration if conversion else None
     return calibration.layer_gates(config) if calibration else None
 
 
-def calibrated_out_of_pre_ln(variant: Path) -> bool:
-    """Whether VARIANT's conversion.json records a calibrated conversion out of pre-LN (where the block-wise fit
+def calibrated_out_of_pre_ln(conversion: ConversionRecord | None) -> bool:
+    """Whether a variant's `conversion` record holds a calibrated conversion out of pre-LN (where the block-wise fit
     starts)."""
-    calibration = _conversion_calibration(variant)
+    calibration = conversion.calibration if conversion else None
     return calibration is not None and bool(calibration.out_of_pre_ln or calibration.stream_rms)
 
 
-def check_swap_schedule(variant: Path, config: NormSwapConfig, schedule: str) -> None:
-    """Refuses in one line a gradual `schedule` that VARIANT (of `config`) cannot start from its source's function:
-    checked on its files, before any model loads."""
+def check_swap_schedule(
+    variant: str, conversion: ConversionRecord | None, config: NormSwapConfig, schedule: str
+) -> None:
+    """Refuses in one line a gradual `schedule` that VARIANT (of `config`, converted as its `conversion` record
+    says) cannot start from its source's function: checked on its files, before any model loads."""
     if schedule == "direct":
         return
     points = 2 * config.num_hidden_layers + 1  # per layer attention's and the MLP's, and the final norm
@@ -83,7 +77,7 @@ def check_swap_schedule(variant: Path, config: NormSwapConfig, schedule: str) ->
         return
     if schedule == "stages":
         raise HealError("swap_schedule='stages' is for norm-free students (norm_placement 'none')")
-    gates = conversion_layer_gates(variant, config)
+    gates = conversion_layer_gates(conversion, config)
     if gates is None:
         raise HealError(
             f"swap_schedule={schedule!r} needs a calibrated conversion out of pre-LN into post, pre_post, deepnorm or "

@@ -92,7 +92,7 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     checkpoints = checkpoint_folder(options, output, healing)
     read = read_texts(options)
     models = load_models(pair, options)
-    gates = conversion_layer_gates(Path(variant), models.student.config)
+    gates = conversion_layer_gates(pair.conversion, models.student.config)
     if options.swap_schedule == "direct" and removes_norms(models.student.config):
         models.student.config.first_position_scales = None  # every norm at once, the first position's divisors too
     tokenizer = AutoTokenizer.from_pretrained(variant)
@@ -121,7 +121,7 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     ):
         work = checkpoints or staging / "trainer"
         report = _heal(models, texts, tokenizer, options, work=work, quiet=log is None, gates=gates, fit=fit)
-        _save(models, source=Path(variant), staging=staging, report=report, main=main)
+        _save(models, source=Path(variant), conversion=pair.conversion, staging=staging, report=report, main=main)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
     processes().wait_for_everyone()  # under a distributed launch, until the main process has written OUTPUT
     if log:
@@ -413,11 +413,17 @@ def _scratch_folder() -> Iterator[Path]:
         yield Path(folder)
 
 
-def _save(models: HealModels, source: Path, staging: Path, report: HealReport, main: bool) -> None:
+def _save(
+    models: HealModels,
+    source: Path,
+    conversion: ConversionRecord | None,
+    staging: Path,
+    report: HealReport,
+    main: bool,
+) -> None:
     """The healed student (its adapters merged in, gathered whole from its shards) with its configured dropout
     (without the weights the variant initialises at load), its code, tokenizer and sentence-transformers modules,
-    conversion.json (lineage included) with the healing added, heal.json and heal.png; by the main process."""
-    conversion = ConversionRecord.read(source)
+    its `conversion` record (lineage included) with the healing added, heal.json and heal.png; by the main process."""
     at_load = set(conversion.weights.initialized_at_load) if conversion else set()
     student = unsharded(models.healed_student())  # every process joins the gather
     if not main:

@@ -44,40 +44,37 @@ class HealModels:
     configured_dropout: dict  # the student's configuration's dropout, saved with it whatever it trained with
     teacher: torch.nn.Module
     teacher_id: str
+    teacher_is_source: bool  # the model the student was converted from (conversion.json's source)
     masked_lm: bool
     dtype: torch.dtype
-    student_folder: str
 
     def healed_student(self) -> torch.nn.Module:
         """The student as a plain NormSwap model in the dtype it was loaded in: its adapters, if it has any, merged
         into its weights."""
         return merged(self.student).to(self.dtype)
 
-    @property
-    def teacher_is_source(self) -> bool:
-        """Whether the teacher is the model the student was converted from (conversion.json's source)."""
-        record = ConversionRecord.read(Path(self.student_folder))
-        source = record.source.id if record else None
-        return source is not None and _same_model(self.teacher_id, source)
-
 
 @dataclass
 class HealPair:
     """A healing's two configurations, read and checked against each other and the options (`for_head`'s) before
-    either model loads: the student VARIANT's and its teacher's (`resolve_teacher`)."""
+    either model loads: the student VARIANT's, with its conversion.json, and its teacher's (`resolve_teacher`)."""
 
     variant: str
     student: NormSwapConfig
+    conversion: ConversionRecord | None
     teacher_id: str
     teacher: NormSwapConfig
 
     @classmethod
-    def read(cls, variant: str, student: NormSwapConfig, options: HealOptions) -> "HealPair":
-        """VARIANT (of configuration `student`) with its teacher's configuration, checked (`check_for_student`,
-        `teacher_config`, sampled texts within their positions)."""
-        check_for_student(variant, student, options)
-        teacher_id = resolve_teacher(Path(variant), options.teacher)
-        pair = cls(variant, student, teacher_id, teacher_config(teacher_id, student, options.objective))
+    def read(
+        cls, variant: str, student: NormSwapConfig, conversion: ConversionRecord | None, options: HealOptions
+    ) -> "HealPair":
+        """VARIANT (of configuration `student`, converted as `conversion` says) with its teacher's configuration,
+        checked (`check_for_student`, `teacher_config`, sampled texts within their positions)."""
+        check_for_student(variant, student, conversion, options)
+        teacher_id = resolve_teacher(variant, conversion, options.teacher)
+        teacher = teacher_config(teacher_id, student, options.objective)
+        pair = cls(variant, student, conversion, teacher_id, teacher)
         count, holder = pair.positions or (None, None)
         if options.data == "teacher" and count is not None and options.sample_length > count:
             raise HealError(
@@ -97,14 +94,26 @@ class HealPair:
             ((count, name) for count, name in held if count is not None), key=lambda item: item[0], default=None
         )
 
+    @property
+    def teacher_head(self) -> str:
+        """The head the teacher runs with: the language-model head (masked or causal) where student and teacher both
+        have it, else none (`base`)."""
+        head = head_of_config(self.student)
+        return head if head in LANGUAGE_OBJECTIVES.values() and head_of_config(self.teacher) == head else "base"
+
+    @property
+    def teacher_is_source(self) -> bool:
+        """Whether the teacher is the model the student was converted from (conversion.json's source)."""
+        return self.conversion is not None and _same_model(self.teacher_id, self.conversion.source.id)
+
 
 def for_student(variant: str, options: HealOptions) -> tuple[HealOptions, HealPair]:
     """The options with the defaults that VARIANT's head and conversion give (`for_head`), its text no longer than the
     absolute positions of student and teacher hold; and the two configurations, checked (`HealPair`): what `heal` and
     `heal --plan` refuse before any model loads."""
-    student = student_config(variant)
-    options = options.for_head(head_of_config(student), out_of_pre_ln=calibrated_out_of_pre_ln(Path(variant)))
-    pair = HealPair.read(variant, student, options)
+    student, conversion = student_config(variant), ConversionRecord.read(Path(variant))
+    options = options.for_head(head_of_config(student), out_of_pre_ln=calibrated_out_of_pre_ln(conversion))
+    pair = HealPair.read(variant, student, conversion, options)
     positions = pair.positions
     if positions:
         options = replace(options, max_length=min(options.max_length, positions[0]))
@@ -117,13 +126,7 @@ def load_models(pair: HealPair, options: HealOptions) -> HealModels:
     dtype = getattr(torch, options.dtype)
     empty = not loads_weights(options.sharding, trained=True)
     student, configured_dropout = _load_student(Path(pair.variant), copy.deepcopy(pair.student), options, empty=empty)
-    teacher, masked_lm = _load_teacher(
-        pair.teacher_id,
-        pair.teacher,
-        student_head=head_of_config(pair.student),
-        dtype=dtype,
-        empty=not loads_weights(options.sharding),
-    )
+    teacher = _load_teacher(pair, dtype=dtype, empty=not loads_weights(options.sharding))
     if not sharded(options.sharding):  # where the Trainer will train: the fit and the sampling run there too
         student, teacher = student.to(processes().device), teacher.to(processes().device)
     return HealModels(
@@ -131,14 +134,16 @@ def load_models(pair: HealPair, options: HealOptions) -> HealModels:
         configured_dropout=configured_dropout,
         teacher=teacher,
         teacher_id=pair.teacher_id,
-        masked_lm=masked_lm,
+        teacher_is_source=pair.teacher_is_source,
+        masked_lm=pair.teacher_head == "masked-lm",
         dtype=dtype,
-        student_folder=pair.variant,
     )
 
 
-def check_for_student(variant: str, config: NormSwapConfig, options: HealOptions) -> None:
-    """The options' rules that need the student VARIANT (its `config`, its conversion.json), with the defaults its
+def check_for_student(
+    variant: str, config: NormSwapConfig, conversion: ConversionRecord | None, options: HealOptions
+) -> None:
+    """The options' rules that need the student VARIANT (its `config`, its `conversion` record), with the defaults its
     head gives (`for_head`); the rest are declared with the options, or need the teacher too (`HealPair`)."""
     head = head_of_config(config)
     if options.objective in LANGUAGE_OBJECTIVES and head != LANGUAGE_OBJECTIVES[options.objective]:
@@ -146,12 +151,12 @@ def check_for_student(variant: str, config: NormSwapConfig, options: HealOptions
         raise HealError(f"objective={options.objective!r} needs a {needed} student; {variant} has the {head!r} head")
     if options.data == "teacher" and head != "causal-lm":
         raise HealError(f"--data teacher needs a causal-LM teacher that generates; {variant} has the {head!r} head")
-    if options.reconstruct_steps and not calibrated_out_of_pre_ln(Path(variant)):
+    if options.reconstruct_steps and not calibrated_out_of_pre_ln(conversion):
         raise HealError(
             f"reconstruct_steps={options.reconstruct_steps} needs a calibrated conversion out of pre-LN; "
             f"{variant}'s conversion.json records none"
         )
-    check_swap_schedule(Path(variant), config, options.swap_schedule)
+    check_swap_schedule(variant, conversion, config, options.swap_schedule)
 
 
 def teacher_config(teacher_id: str, student: NormSwapConfig, objective: str | None) -> NormSwapConfig:
@@ -199,15 +204,14 @@ def _same_model(first: str, second: str) -> bool:
     return first == second
 
 
-def resolve_teacher(variant: Path, teacher: str | None) -> str:
+def resolve_teacher(variant: str, conversion: ConversionRecord | None, teacher: str | None) -> str:
     """The teacher: `teacher` if given (a shipped model's name read as its file: `gguf.SHIPPED_MODELS`), else the
-    source named in the variant's conversion.json."""
+    source named in VARIANT's `conversion` record."""
     if teacher is not None:
         return shipped_model(teacher)
-    record = ConversionRecord.read(variant)
-    if record is None:
+    if conversion is None:
         raise HealError(f"{variant}: no conversion.json naming its source; pass --teacher")
-    return record.source.id
+    return conversion.source.id
 
 
 def student_config(variant: str | Path) -> NormSwapConfig:
@@ -263,25 +267,19 @@ def _forward_in_weight_dtype(norm: torch.nn.Module, hidden_states: torch.Tensor)
     return type(norm).forward(norm, hidden_states.to(norm.weight.dtype)).to(hidden_states.dtype)
 
 
-def _load_teacher(
-    teacher_id: str, config: NormSwapConfig, student_head: str, dtype: torch.dtype, empty: bool = False
-) -> tuple[torch.nn.Module, bool]:
-    """The unswapped source TEACHER_ID (of `config`: `teacher_config`), with the language-model head (masked or
-    causal) where student and source both have it, and whether they have a masked-LM head. With `empty`, its weights
-    are not read (`empty_model`)."""
+def _load_teacher(pair: HealPair, dtype: torch.dtype, empty: bool = False) -> torch.nn.Module:
+    """The pair's teacher, the unswapped source, with its `teacher_head`. With `empty`, its weights are not read
+    (`empty_model`)."""
     try:
-        same_head = student_head in ("masked-lm", "causal-lm") and head_of_config(config) == student_head
-        head = student_head if same_head else "base"
         if empty:
-            teacher = empty_model(config, head, dtype).eval()
+            teacher = empty_model(pair.teacher, pair.teacher_head, dtype).eval()
             teacher.tie_weights()
-        else:
-            teacher = load_unswapped(teacher_id, head=head, dtype=dtype)
-        return teacher, same_head and student_head == "masked-lm"
+            return teacher
+        return load_unswapped(pair.teacher_id, head=pair.teacher_head, dtype=dtype)
     except ConversionError as error:
         raise HealError(f"teacher {error}") from None
     except (OSError, ValueError) as error:
-        raise HealError(f"teacher {teacher_id}: cannot be loaded ({str(error).splitlines()[0]})") from None
+        raise HealError(f"teacher {pair.teacher_id}: cannot be loaded ({str(error).splitlines()[0]})") from None
 
 
 def source_config(source: str) -> NormSwapConfig:

@@ -1,6 +1,8 @@
 """`heal --plan`: the memory each process of a healing will hold, from the configurations alone (nothing loads)."""
 
-from ..model.heads import head_of_config
+import copy
+
+from ..model.heads import HEAD_CLASSES
 from ..sharding import MemoryPlan, plan_memory
 from .models import for_student
 from .options import HealOptions
@@ -11,16 +13,15 @@ def heal_plan(variant: str, options: HealOptions, processes: int) -> MemoryPlan:
     gradients and AdamW states (its embeddings frozen with `freeze_embeddings`, only its norms trained with `lora`:
     the adapters are not counted) and the teacher's weights."""
     options, pair = for_student(variant, options)  # refused as `heal` refuses it
-    student, teacher = pair.student, pair.teacher
-    if head_of_config(teacher) != head_of_config(student):  # the teacher runs without a head then
-        teacher.architectures = None
+    teacher = copy.deepcopy(pair.teacher)
+    teacher.architectures = None if pair.teacher_head == "base" else [HEAD_CLASSES[pair.teacher_head].__name__]
 
     def trainable(name: str) -> bool:
         frozen = options.freeze_embeddings and ".embeddings." in name
         return not frozen and (not options.lora or "norm" in name)
 
     return plan_memory(
-        student,
+        pair.student,
         processes=processes,
         sharded=options.sharding.fsdp and processes > 1,
         dtype=options.dtype,
