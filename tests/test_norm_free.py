@@ -19,6 +19,7 @@ from hf_normswap.convert.converter import ConversionRecord
 from hf_normswap.convert.export import export_native
 from hf_normswap.convert.options import ConversionError
 from hf_normswap.heal import models as heal_models
+from hf_normswap.heal import trainer
 from hf_normswap.heal.norm_removal import NormRemoval
 from hf_normswap.heal.options import HealError
 from hf_normswap.hub.card import build_card
@@ -433,9 +434,13 @@ def test_heal_removes_the_norms_in_stages(norm_free, tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["gpt2-exportable", "llama-none"])
-def test_the_development_stop_waits_for_the_stages_to_end(norm_free, tmp_path, variant):
+def test_the_development_stop_waits_for_the_stages_to_end(norm_free, tmp_path, variant, monkeypatch):
     """The KL rises while the norms go: the stop measures only from where every norm (and the first position's
-    divisors, over the second half) is gone. At a rate that moves nothing it then stops at its second measurement."""
+    divisors, over the second half) is gone. At a rate that moves nothing it then stops at its second measurement.
+    Where the last group goes at the stop's first step, stage and stop share one measurement of the settled student."""
+    measurements = []
+    measure = trainer.agreement
+    monkeypatch.setattr(trainer, "agreement", lambda *args: measurements.append(args) or measure(*args))
     options = dict(swap_schedule="stages", max_steps=20, learning_rate=1e-12, stop_patience=1, dev_size=32, log=None)
     report = heal_checkpoint(str(norm_free / variant), str(tmp_path / "healed"), **options)
     first_scales = HEAD_CLASSES["causal-lm"].from_pretrained(norm_free / variant).config.first_position_scales
@@ -453,6 +458,11 @@ def test_the_development_stop_waits_for_the_stages_to_end(norm_free, tmp_path, v
     assert [stage["step"] for stage in stages] == [4, 7, 10, 20][: len(removed)]
     assert all(stage["kl"] >= 0 and math.isfinite(stage["cross_entropy_gap"]) for stage in stages)
     assert set(stages[0]["kl_by_position"]) == {"0", "1", "2-3", "4-15", "16-63"}  # 64 tokens a text
+    stage_kl = {stage["step"]: stage["kl"] for stage in stages}
+    shared = [entry for entry in budget["development_kl"] or [] if entry["step"] in stage_kl]
+    assert [entry["step"] for entry in shared] == ([10] if first_scales is None else [])
+    assert all(entry["kl"] == stage_kl[entry["step"]] for entry in shared)
+    assert len(measurements) == 2 + len(stages) + len(measured) - len(shared)  # as it starts and ends, once a step
 
 
 def test_a_staged_healing_resumes_with_the_stages_measured_before(norm_free, tmp_path, monkeypatch):

@@ -45,6 +45,9 @@ class GradualSwap(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self.set_step(state.global_step)
 
+    def on_step_end(self, args, state, control, **kwargs):
+        self.set_step(state.global_step)  # as the next step begins, where the measurements after this one see it
+
 
 def conversion_layer_gates(conversion: ConversionRecord | None, config: NormSwapConfig) -> LayerGates | None:
     """How a variant (of `config`) calibrated out of pre-LN computes its source layer by layer, from its

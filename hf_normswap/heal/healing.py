@@ -182,7 +182,8 @@ def _heal(
     # where the stop measures the development texts from the first step, the held-out texts only begin and end
     every = None if stop and stop.from_step == 0 else max(1, options.max_steps // 5)
     probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
-    callbacks = [c for c in (probe, stop, swap, TimeBudget(options.max_seconds) if options.max_seconds else None) if c]
+    # the schedule first: the measurements after a step see the student as the next step begins
+    callbacks = [c for c in (swap, probe, stop, TimeBudget(options.max_seconds) if options.max_seconds else None) if c]
     log_history, seconds, tokens, resumed, steps = _train(models, texts, options, callbacks, work, quiet)
     if swap:
         swap.remove()  # the saved student is the target placement

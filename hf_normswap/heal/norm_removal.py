@@ -108,12 +108,12 @@ class NormRemoval(CheckpointedFigures):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         """With development texts, the student's figures there at the step where a group of norms is gone."""
         step = state.global_step
+        self.set_step(step)  # as the next step begins, where the measurements after this one see it
         newly = [name for name in self.removed(step) if name not in self.removed(step - 1)]
         if self.development is None or not newly:
             return
-        self.set_step(step)  # as the next step begins
         with self.measuring():
-            self.stages.append(NormRemovalStage(step=step, removed=newly, **self.development.figures(model)))
+            self.stages.append(NormRemovalStage(step=step, removed=newly, **self.development.figures(model, step)))
 
     def remove(self) -> None:
         """Takes the hooks away, and the first position's divisors: the student is norm-free."""

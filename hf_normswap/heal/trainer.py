@@ -224,14 +224,21 @@ class DevelopmentTexts:
             self.expected = [log_probs.cpu() for log_probs in next_token_log_probs(teacher, batches)]
         self.batches = batches
         self.before = self.figures(student)
+        self.measured: tuple[int, dict] | None = None  # the last training step's figures and the step
 
     def next_token(self, student: torch.nn.Module) -> NextTokenAgreement:
         """The student's figures as it started and now."""
         return NextTokenAgreement(before=self.before, after=self.figures(student))
 
-    def figures(self, model: torch.nn.Module) -> dict:
+    def figures(self, model: torch.nn.Module, step: int | None = None) -> dict:
+        """The model's figures; after training step `step`, measured once however many callbacks ask."""
+        if step is not None and self.measured and self.measured[0] == step:
+            return self.measured[1]
         with gathered(model):
-            return agreement(self.expected, next_token_log_probs(model, self.batches), self.batches)
+            figures = agreement(self.expected, next_token_log_probs(model, self.batches), self.batches)
+        if step is not None:
+            self.measured = (step, figures)
+        return figures
 
 
 class DevelopmentStop(CheckpointedFigures):
@@ -269,7 +276,7 @@ class DevelopmentStop(CheckpointedFigures):
         if step % self.every or step < self.from_step or step >= state.max_steps:
             return
         with self.measuring():
-            self.history.append({"step": state.global_step, "kl": self.development.figures(model)["kl"]})
+            self.history.append({"step": step, "kl": self.development.figures(model, step)["kl"]})
         earlier, recent = self.history[: -self.patience], self.history[-self.patience :]
         best = min((entry["kl"] for entry in earlier), default=0.0)
         stalled = bool(earlier) and all(entry["kl"] > best * (1 - self.IMPROVEMENT) for entry in recent)
