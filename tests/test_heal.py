@@ -18,6 +18,7 @@ from hf_normswap.heal import models as heal_models
 from hf_normswap.heal.checkpoints import CheckpointedHealing
 from hf_normswap.heal.data import load_texts
 from hf_normswap.heal.options import HealError, HealOptions
+from hf_normswap.heal.report import HealReport
 from hf_normswap.model import REMOTE_CODE_FILES
 from hf_normswap.model.modeling_normswap import AUTO_MAP
 from hf_normswap.probes.collapse import mean_pairwise_cosine
@@ -106,12 +107,27 @@ def test_a_budget_in_tokens_sets_the_steps_of_any_student(variant, tmp_path):
     """An encoder's budget in tokens: as many whole steps of `batch_size` texts as the training split's mean length
     (over its first 1,024 texts) fills."""
     tokenizer = AutoTokenizer.from_pretrained(variant / "pre")
-    texts = load_texts(str(variant / "text.txt"))[0]["text"][:1024]
+    texts = load_texts(str(variant / "text.txt"), held_out=HEAL["eval_size"])[0]["text"][:1024]
     mean = sum(len(tokenizer(text)["input_ids"]) for text in texts) / len(texts)
     options = dict(HEAL, max_steps=None, max_tokens=1000, batch_size=4, data=str(variant / "text.txt"))
     report = heal_checkpoint(str(variant / "pre"), str(tmp_path / "healed"), **options)
     assert report["steps"] == report["budget"]["steps"] == round(1000 / (4 * mean)) > 1
     assert report["budget"]["tokens"] == 1000
+
+
+def test_a_file_without_validation_split_holds_out_eval_size_texts(variant, tmp_path):
+    """A text file's held-out texts are `eval_size` of its lines (at most a tenth), more than the default 256 too."""
+    (tmp_path / "long.txt").write_text("\n".join(f"{SENTENCES[i % len(SENTENCES)]} {i}" for i in range(4000)) + "\n")
+    for eval_size, held_out in [(300, 300), (500, 400)]:
+        options = dict(HEAL, max_steps=1, eval_size=eval_size, data=str(tmp_path / "long.txt"))
+        report = heal_checkpoint(str(variant / "pre"), str(tmp_path / f"healed{eval_size}"), **options)
+        assert report["data"]["held_out_rows"] == held_out
+
+
+@pytest.mark.parametrize("name", ["sample_length", "batch_size", "max_length", "eval_size"])
+def test_counts_are_whole_numbers(name):
+    with pytest.raises(HealError, match=rf"^{name}=2.5 is invalid: at least 1$"):
+        HealOptions(**{name: 2.5})
 
 
 def test_heal_cli_bad_input(variant, tmp_path, capsys, monkeypatch):
@@ -338,8 +354,14 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
         heal_checkpoint(str(shutil.copytree(variant / "pre", tmp_path / "pre")), str(tmp_path / "out"), **resumable)
     figures = tmp_path / "checkpoints" / "heal_probe.json"
     kept = figures.read_text()
+    refused = (
+        "resuming at step 3, but the figures measured until then (heal_probe.json) are missing or of another step"
+    )
     figures.unlink()  # as checkpoints of an older version: refused in one line, nothing written
-    with pytest.raises(HealError, match="resuming at step 3, but the figures measured before it"):
+    with pytest.raises(HealError, match=re.escape(refused)):
+        heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
+    figures.write_text(json.dumps(json.loads(kept) | {"step": 2}))  # as if ended as the Trainer saved step 3
+    with pytest.raises(HealError, match=re.escape(refused)):
         heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
     assert not (tmp_path / "resumed").exists()
     figures.write_text(kept)
@@ -355,6 +377,7 @@ def test_an_interrupted_healing_resumes_with_its_measurements(variant, tmp_path,
     resumed = heal_checkpoint(str(variant / "pre"), str(tmp_path / "resumed"), **resumable)
     assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["notes.txt"]  # what the healing kept, gone
     assert resumed["resumed"] and not whole["resumed"]
+    assert " s (this run, resumed): token cosine" in HealReport.from_dict(resumed).summary()
     assert resumed["before"] == whole["before"]  # measured once, before the interruption
     assert resumed["tokens"] == whole["tokens"] > 0  # counted before the interruption too
     steps = [[entry["step"] for entry in report["history"]] for report in (resumed, whole)]

@@ -778,9 +778,14 @@ def test_kl_objective_decreases_on_text(healed_text):
 
 def test_bad_input_one_line(tmp_path, llama, capsys, monkeypatch):
     save_source(tmp_path / "bert", "bert", "Model")
+    save_source(tmp_path / "llama-base", "llama", "Model")
     convert_checkpoint(str(tmp_path / "bert"), str(tmp_path / "pre"), norm_placement="pre", **QUIET)
     cases = [
-        ([str(tmp_path / "pre"), "--data", "teacher"], "--data teacher needs a causal-LM teacher"),
+        ([str(tmp_path / "pre"), "--data", "teacher"], "--data teacher needs a causal-LM student; "),
+        (
+            [str(llama / "post"), "--teacher", str(tmp_path / "llama-base"), "--objective", "hidden"],
+            f"--data teacher needs a teacher that generates (a causal LM); {tmp_path / 'llama-base'} has none",
+        ),
         ([str(llama / "post"), "--teacher", str(tmp_path / "bert")], "objective='kl' needs a causal-LM teacher;"),
         ([str(tmp_path / "pre"), "--objective", "kl"], "objective='kl' needs a causal-LM student"),
         ([str(llama / "post-shifted"), "--swap-schedule", "gate"], "needs a calibrated conversion out of pre-LN"),

@@ -61,19 +61,18 @@ class CheckpointedHealing(JsonRecord):
         )
 
 
-def checkpoint_folder(options: HealOptions, output: str, healing: CheckpointedHealing) -> Path | None:
+def checkpoint_folder(options: HealOptions, output: str, healing: CheckpointedHealing) -> tuple[Path | None, bool]:
     """The options' `checkpoint_dir`, checked to be one a healing into OUTPUT may keep its checkpoints in (its own, if
-    it holds any: `resumes`); None without one."""
+    it holds any), and whether the healing resumes from them (`resumes`); None and False without one."""
     if options.checkpoint_dir is None:
-        return None
+        return None, False
     folder = Path(options.checkpoint_dir)
     if folder.resolve().is_relative_to(Path(output).resolve()):
         raise HealError(
             f"checkpoint_dir={options.checkpoint_dir!r} is invalid: inside OUTPUT, which the healing replaces; give a "
             "folder outside it"
         )
-    healing.resumes(folder)
-    return folder
+    return folder, healing.resumes(folder)
 
 
 def _resolved(path: str | None) -> str | None:
@@ -82,15 +81,15 @@ def _resolved(path: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def kept_checkpoints(folder: Path | None, healing: CheckpointedHealing, main: bool) -> Iterator[None]:
+def kept_checkpoints(folder: Path | None, healing: CheckpointedHealing, main: bool, resumes: bool) -> Iterator[None]:
     """A healing with its checkpoints in `folder` (none: nothing kept): its record written there first (by the main
-    process); once the block succeeds, all it kept is removed; if it fails, its checkpoints stay for a rerun, and
-    where it wrote none, the folders it made go too."""
+    process) unless it `resumes` (its record is this one); once the block succeeds, all it kept is removed; if it
+    fails, its checkpoints stay for a rerun, and where it wrote none, the folders it made go too."""
     if folder is None or not main:
         yield
         return
     with made_folder(folder):
-        if not any(folder.glob("checkpoint-*")):  # else resumed: its record is this one
+        if not resumes:
             healing.write(folder)
         try:
             yield

@@ -16,7 +16,7 @@ from ..devices import compute_device
 from ..probes.sampling import continue_texts, start_token, uniform_draws
 from ..sharding import from_main_process, loads_weights, process_share, sharded
 from ..tasks import GLUE_TASKS, load_task
-from .options import RECONSTRUCTION_BATCH_SIZE, HealError, HealOptions
+from .options import HealError, HealOptions
 
 
 SAMPLED_HELD_OUT = "sst2-sample"  # the held-out text of a healing on text sampled from the teacher
@@ -39,7 +39,7 @@ def read_texts(options: HealOptions) -> tuple[Dataset, Dataset, list[str]]:
     model loads; refused in one line if the processes of a launch cannot share `batch_size` equally."""
     process_share(options.batch_size, HealError)
     data = SAMPLED_HELD_OUT if options.data == "teacher" else options.data
-    return load_texts(data, text_column=options.text_column, data_dir=options.data_dir)
+    return load_texts(data, text_column=options.text_column, data_dir=options.data_dir, held_out=options.eval_size)
 
 
 def heal_texts(read: tuple, *, options: HealOptions, tokenizer, teacher: torch.nn.Module) -> HealTexts:
@@ -79,10 +79,11 @@ def heal_texts(read: tuple, *, options: HealOptions, tokenizer, teacher: torch.n
 
 
 def load_texts(
-    data: str, text_column: str | None = None, data_dir: str | None = None
+    data: str, text_column: str | None = None, data_dir: str | None = None, held_out: int = HealOptions.eval_size
 ) -> tuple[Dataset, Dataset, list[str]]:
     """Training and held-out text from `data`: `sst2-sample`, a GLUE task name, a local .txt (one text a line), CSV or
-    JSON-lines file, or a datasets hub id; returns (train, held_out, text columns)."""
+    JSON-lines file, or a datasets hub id; returns (train, held_out, text columns). Without a validation split, the
+    held-out texts are `held_out` of the training split's (at most a tenth of it)."""
     if data == "sst2-sample" or data in GLUE_TASKS:
         task = load_task(data, data_dir=data_dir)
         return task.data["train"], task.data["validation"], list(task.text_columns)
@@ -98,8 +99,7 @@ def load_texts(
         raise HealError(f"data file {data} is empty")
     if "validation" in splits:
         return train, splits["validation"], [column]
-    held_out_rows = min(HealOptions.eval_size, max(1, len(train) // 10))  # the default eval_size, whatever is given
-    parts = train.train_test_split(test_size=held_out_rows, seed=0)
+    parts = train.train_test_split(test_size=min(held_out, max(1, len(train) // 10)), seed=0)
     return parts["train"], parts["test"], [column]
 
 
@@ -185,6 +185,7 @@ def _group_readings(groups: int, sample_reads: int) -> int:
 
 TEACHER_STATES = "teacher_hidden_states"  # a sampled text's key: the teacher's states at every boundary
 DEVELOPMENT_GROUP = 2**31 - 1  # the seed of the development texts' group, which no training group takes
+DEVELOPMENT_BATCH = 16  # development texts a forward measures
 
 
 class TeacherSamples(torch.utils.data.IterableDataset):
@@ -315,7 +316,7 @@ def sampled_ahead(stream: TeacherSamples, texts: int, options: HealOptions) -> S
 
 def development_batches(teacher: torch.nn.Module, tokenizer, options: HealOptions) -> list[dict]:
     """`dev_size` texts sampled from the teacher as the training texts are, from a group of their own
-    (`DEVELOPMENT_GROUP`), in batches of 16 (`sampled_by_main_process`)."""
+    (`DEVELOPMENT_GROUP`), in batches of `DEVELOPMENT_BATCH` (`sampled_by_main_process`)."""
 
     def sample() -> torch.Tensor:
         start = start_token(tokenizer, teacher.config)
@@ -323,9 +324,7 @@ def development_batches(teacher: torch.nn.Module, tokenizer, options: HealOption
         return stream.sample(DEVELOPMENT_GROUP, options.dev_size)[0]
 
     ids = sampled_by_main_process(sample, (options.dev_size, options.sample_length), options)
-    return [
-        {"input_ids": part, "attention_mask": torch.ones_like(part)} for part in ids.split(RECONSTRUCTION_BATCH_SIZE)
-    ]
+    return [{"input_ids": part, "attention_mask": torch.ones_like(part)} for part in ids.split(DEVELOPMENT_BATCH)]
 
 
 @dataclass
@@ -349,8 +348,6 @@ def teacher_samples(teacher: torch.nn.Module, tokenizer, options: HealOptions) -
     states on them: there the teacher's forward took a seventh of a healing step; on an accelerator it is cheap, and
     the states of the 1,024 texts it samples at once would take gigabytes of its memory. A sharded healing samples
     the stream's texts ahead (`sampled_ahead`), without the states, which the sharded teacher computes again."""
-    if not callable(getattr(teacher, "generate", None)):
-        raise HealError("--data teacher needs a teacher that generates (a causal LM); the teacher has no such head")
     start = start_token(tokenizer, teacher.config)
     if start is None:
         raise HealError("--data teacher needs a BOS or EOS token (the tokenizer's or the teacher's) to start from")

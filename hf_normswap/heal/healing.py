@@ -51,7 +51,7 @@ from .gradual_swap import GradualSwap, conversion_layer_gates
 from .measure import masked_lm_loss, measure_states, student_states, teacher_states
 from .models import HealModels, for_student, layer_parameters, load_models, memory_settings
 from .norm_removal import NormRemoval
-from .options import HealOptions
+from .options import COUNTED_TEXTS, HealOptions
 from .reconstruction import reconstruct_layers, reconstruction_batches
 from .report import (
     HEAL_PLOT,
@@ -89,7 +89,7 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     check_output(output, overwrite)
     healing = CheckpointedHealing.of(variant, options)  # whose checkpoints checkpoint_dir may hold
     options, pair = for_student(variant, options)
-    checkpoints = checkpoint_folder(options, output, healing)
+    checkpoints, resumes = checkpoint_folder(options, output, healing)
     read = read_texts(options)
     models = load_models(pair, options)
     gates = conversion_layer_gates(pair.conversion, models.student.config)
@@ -116,11 +116,11 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
     prepare_frozen(models.teacher, options.sharding)
     log = log if main else None
     with (
-        kept_checkpoints(checkpoints, healing, main),
+        kept_checkpoints(checkpoints, healing, main, resumes),
         output_folder(output, overwrite) if main else _scratch_folder() as staging,
     ):
         work = checkpoints or staging / "trainer"
-        report = _heal(models, texts, tokenizer, options, work=work, quiet=log is None, gates=gates, fit=fit)
+        report = _heal(models, texts, tokenizer, options, work, resumes, quiet=log is None, gates=gates, fit=fit)
         _save(models, source=Path(variant), conversion=pair.conversion, staging=staging, report=report, main=main)
         shutil.rmtree(staging / "trainer", ignore_errors=True)
     processes().wait_for_everyone()  # under a distributed launch, until the main process has written OUTPUT
@@ -131,10 +131,10 @@ def heal_checkpoint(variant: str, output: str, *, overwrite: bool = False, log=p
 
 
 def _tokens_per_text(texts: HealTexts, options: HealOptions) -> float:
-    """A training text's tokens: sampled texts' length, else the mean of the first 1,024 texts'."""
+    """A training text's tokens: sampled texts' length, else the mean of the first `COUNTED_TEXTS` texts'."""
     if options.data == "teacher":
         return options.sample_length
-    rows = [len(row["input_ids"]) for row in itertools.islice(iter(texts.train), 1024)]
+    rows = [len(row["input_ids"]) for row in itertools.islice(iter(texts.train), COUNTED_TEXTS)]
     return sum(rows) / max(1, len(rows))
 
 
@@ -167,6 +167,7 @@ def _heal(
     tokenizer,
     options: HealOptions,
     work: Path,
+    resumes: bool,
     quiet: bool,
     gates: LayerGates | None,
     fit: _FittedLayers | None,
@@ -179,12 +180,10 @@ def _heal(
     development = DevelopmentTexts(texts.development, models.teacher, models.student) if texts.development else None
     swap = _gradual_swap(models.student, gates, options, development)
     stop = DevelopmentStop.planned(development, options, from_step=swap.settled_step if swap else 0)
-    # where the stop measures the development texts from the first step, the held-out texts only begin and end
-    every = None if stop and stop.from_step == 0 else max(1, options.max_steps // 5)
-    probe = HealProbeCallback(texts.held_out, teacher, models.teacher, every=every, head_figures=head_figures)
+    probe = HealProbeCallback.planned(texts.held_out, teacher, models.teacher, head_figures, options, stop)
     # the schedule first: the measurements after a step see the student as the next step begins
     callbacks = [c for c in (swap, probe, stop, TimeBudget(options.max_seconds) if options.max_seconds else None) if c]
-    log_history, seconds, tokens, resumed, steps = _train(models, texts, options, callbacks, work, quiet)
+    log_history, seconds, tokens, steps = _train(models, texts, options, callbacks, work, resumes, quiet)
     if swap:
         swap.remove()  # the saved student is the target placement
     with gathered(models.student, models.teacher):
@@ -192,7 +191,7 @@ def _heal(
         after = measure_states(states, texts.held_out, teacher)
         head_after = head_figures(models.student, states=states)
         masked_lm, next_token = _head_results(models, texts.held_out, tokenizer, probe.head_before, head_after)
-    probe.history.append({"step": steps, **after[-1]})
+    probe.ended(steps, after[-1])
     return HealReport(
         teacher=models.teacher_id,
         data=_heal_data(texts, options),
@@ -208,7 +207,7 @@ def _heal(
         seconds=seconds,
         measuring_seconds=sum(c.measuring_seconds for c in callbacks if isinstance(c, CheckpointedFigures)),
         tokens=tokens,
-        resumed=resumed,
+        resumed=resumes,
         teacher_collapse=collapse_of_states(teacher, [batch["attention_mask"] for batch in texts.held_out]),
         masked_lm_loss=masked_lm,
         next_token=next_token,
@@ -385,11 +384,11 @@ def _head_figures(
 
 
 def _train(
-    models: HealModels, texts: HealTexts, options: HealOptions, callbacks: list, work: Path, quiet: bool
-) -> tuple[list[dict], float, int, bool, int]:
-    """Trains the student towards the teacher, resuming from a checkpoint in `checkpoint_dir` if there is one;
-    returns the Trainer's log, the seconds it trained (the measurements along the way included, the first one too),
-    the real tokens it trained on (before an interruption too), whether it resumed and the steps it took."""
+    models: HealModels, texts: HealTexts, options: HealOptions, callbacks: list, work: Path, resumes: bool, quiet: bool
+) -> tuple[list[dict], float, int, int]:
+    """Trains the student towards the teacher, resuming from the last checkpoint in `work` if it `resumes`; returns
+    the Trainer's log, the seconds this run trained (its measurements included), the real tokens it trained on
+    (before an interruption too) and the steps it took."""
     trainer = HealTrainer(
         model=models.student,
         args=training_arguments(options=options, output_dir=work, quiet=quiet, student=models.student),
@@ -400,11 +399,10 @@ def _train(
         packing=options.packing,
         callbacks=callbacks,
     )
-    resumed = options.checkpoint_dir is not None and any(work.glob("checkpoint-*"))
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=True if resumed else None)
+    trainer.train(resume_from_checkpoint=True if resumes else None)
     seconds, state = time.perf_counter() - started, trainer.state
-    return state.log_history, seconds, state.num_input_tokens_seen, resumed, state.global_step
+    return state.log_history, seconds, state.num_input_tokens_seen, state.global_step
 
 
 @contextlib.contextmanager

@@ -75,6 +75,8 @@ class HealPair:
         teacher_id = resolve_teacher(variant, conversion, options.teacher)
         teacher = teacher_config(teacher_id, student, options.objective)
         pair = cls(variant, student, conversion, teacher_id, teacher)
+        if options.data == "teacher" and pair.teacher_head != "causal-lm":
+            raise HealError(f"--data teacher needs a teacher that generates (a causal LM); {teacher_id} has none")
         count, holder = pair.positions or (None, None)
         if options.data == "teacher" and count is not None and options.sample_length > count:
             raise HealError(
@@ -150,7 +152,7 @@ def check_for_student(
         needed = LANGUAGE_OBJECTIVES[options.objective].replace("-lm", "-LM")
         raise HealError(f"objective={options.objective!r} needs a {needed} student; {variant} has the {head!r} head")
     if options.data == "teacher" and head != "causal-lm":
-        raise HealError(f"--data teacher needs a causal-LM teacher that generates; {variant} has the {head!r} head")
+        raise HealError(f"--data teacher needs a causal-LM student; {variant} has the {head!r} head")
     if options.reconstruct_steps and not calibrated_out_of_pre_ln(conversion):
         raise HealError(
             f"reconstruct_steps={options.reconstruct_steps} needs a calibrated conversion out of pre-LN; "

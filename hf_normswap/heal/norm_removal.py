@@ -99,8 +99,8 @@ class NormRemoval(CheckpointedFigures):
     def figures(self) -> dict:
         return {"stages": [asdict(stage) for stage in self.stages]}
 
-    def restore(self, figures: dict, step: int) -> None:
-        self.stages = [NormRemovalStage(**stage) for stage in figures["stages"] if stage["step"] <= step]
+    def restore(self, figures: dict) -> None:
+        self.stages = [NormRemovalStage(**stage) for stage in figures["stages"]]
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.set_step(state.global_step)

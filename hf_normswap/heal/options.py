@@ -12,11 +12,12 @@ SWAP_SCHEDULES = ("direct", "gate", "layers", "taper", "stages")
 DTYPES = ("float32", "bfloat16")
 RECONSTRUCTION_BATCH_SIZE = 16  # texts a step of the block-wise reconstruction sees
 DEVELOPMENT_TEXTS = 64  # the most development texts: one sampled group on a CPU
+COUNTED_TEXTS = 1024  # the training texts whose mean length turns a budget in tokens into steps
 
 
 # What a healing takes where an option is left open, by the student's head (a causal LM, or any other); chosen by
-# measurement: docs/experiments/healing.md. A causal LM converted out of pre-LN with calibrated writes (a recorded
-# stream) and swapped directly has its layers fitted first (`FITTED_DEFAULTS`); any other student takes no fit. A
+# measurement: docs/experiments/healing.md. A causal LM converted calibrated out of pre-LN (its writes or its branch
+# norms) and swapped directly has its layers fitted first (`FITTED_DEFAULTS`); any other student takes no fit. A
 # causal LM's learning rate and training tokens scale with the student (`CAUSAL_SCALING`).
 HEAD_DEFAULTS = {
     "causal-lm": {"objective": "kl", "data": "teacher", "batch_size": 8},
@@ -85,8 +86,7 @@ class HealOptions:
         default=None,
         metadata={
             "help": "sst2-sample, a GLUE task name, a .txt / .csv / .jsonl file, a datasets hub id, or teacher (text "
-            "sampled from a causal-LM teacher; held-out text: the SST-2 sample); default: teacher for a causal-LM "
-            "student, else sst2-sample"
+            "sampled from a causal-LM teacher; held-out text: the SST-2 sample); " + _by_head("data")
         },
     )
     text_column: str | None = field(
@@ -99,7 +99,7 @@ class HealOptions:
         default=None,
         metadata={
             "choices": OBJECTIVES,
-            "help": "what the student matches; default: kl for a causal-LM student, else similarity",
+            "help": f"what the student matches; {_by_head('objective')}",
         },
     )
     swap_schedule: str = field(
@@ -125,7 +125,7 @@ class HealOptions:
         default=1.0, metadata={"rules": (positive(),), "help": "with --data teacher: the sampling temperature"}
     )
     sample_length: int = field(
-        default=64, metadata={"rules": (positive(),), "help": "with --data teacher: tokens per sampled text"}
+        default=64, metadata={"rules": (at_least(1),), "help": "with --data teacher: tokens per sampled text"}
     )
     sample_count: int | None = field(
         default=None,
@@ -172,7 +172,8 @@ class HealOptions:
             "help": "out of pre-LN, before healing: fit each layer in turn to the teacher's stream after it, on the "
             "layer's own inputs, this many Adam steps a layer (0: no fit); default: "
             f"{FITTED_DEFAULTS['reconstruct_steps']} for a causal-LM student of a calibrated conversion out of pre-LN "
-            "with the direct swap, without lora, else 0",
+            "with the direct swap, without lora, else 0 (refused under --fsdp where fsdp_config turns "
+            "cpu_ram_efficient_loading off: give 0)",
         },
     )
     reconstruct_learning_rate: float = field(
@@ -214,9 +215,9 @@ class HealOptions:
                 ),
             ),
             "help": "training tokens, as whole steps (sampled texts are --sample-length long, others counted on the "
-            f"first 1,024); default for a causal-LM student: {CAUSAL_SCALING.tokens_by_parameters:.3g} / its "
-            f"parameters outside embeddings and head, at most {CAUSAL_SCALING.most_tokens:,}; --max-steps overrides "
-            "it",
+            f"first {COUNTED_TEXTS:,}); default for a causal-LM student: "
+            f"{CAUSAL_SCALING.tokens_by_parameters:.3g} / its parameters outside embeddings and head, at most "
+            f"{CAUSAL_SCALING.most_tokens:,}; --max-steps overrides it",
         },
     )
     max_seconds: float | None = field(
@@ -261,21 +262,21 @@ class HealOptions:
     batch_size: int | None = field(
         default=None,
         metadata={
-            "rules": (positive(),),
+            "rules": (at_least(1),),
             "help": f"texts a step, shared equally by the processes of a launch; {_by_head('batch_size')}",
         },
     )
     max_length: int = field(
         default=128,
         metadata={
-            "rules": (positive(),),
+            "rules": (at_least(1),),
             "help": "tokens per text at most (at most the absolute positions of student or teacher)",
         },
     )
     eval_size: int = field(
         default=256,
         metadata={
-            "rules": (positive(),),
+            "rules": (at_least(1),),
             "help": "held-out texts measured before and after, and every fifth of the steps unless --stop-patience "
             "measures from the first step (with --data teacher and no gradual --swap-schedule)",
         },

@@ -127,9 +127,9 @@ class HealReport(JsonRecord):
     dropout: bool
     freeze_embeddings: bool
     swap_schedule: str
-    seconds: float  # training, the measurements along the way (and the first one) included
+    seconds: float  # this run's training, its measurements included (the first one, unless it resumed)
     measuring_seconds: float  # of `seconds`, those the measurements took
-    tokens: int  # the real (not padding) tokens trained on, by every process together
+    tokens: int  # the real (not padding) tokens trained on, by every process together (before a resume too)
     resumed: bool
     teacher_collapse: dict
     masked_lm_loss: MaskedLMLoss | None
@@ -159,7 +159,8 @@ class HealReport(JsonRecord):
         before -> after."""
         before, after = self.before[-1], self.after[-1]
         line = (
-            f"healed on {self.tokens:,} tokens in {self.seconds:.0f} s: token cosine to the teacher "
+            f"healed on {self.tokens:,} tokens in {self.seconds:.0f} s{' (this run, resumed)' * self.resumed}: token "
+            "cosine to the teacher "
             f"{before['token_cosine']:.4f} -> {after['token_cosine']:.4f}, first-token collapse "
             f"{before['collapse_first_token']:.4f} -> {after['collapse_first_token']:.4f} "
             f"(teacher {self.teacher_collapse['first_token'][-1]:.4f})"

@@ -127,9 +127,9 @@ def training_arguments(
 
 
 class CheckpointedFigures(TrainerCallback):
-    """A callback whose figures go beside the Trainer's checkpoints (`FILE`) whenever it saves one, and are read back
-    (those of the steps until the checkpoint) when training resumes from one; `measuring_seconds`: the time it spent
-    measuring the student (`measuring`)."""
+    """A callback whose figures go beside the Trainer's checkpoints (`FILE`, with the checkpoint's step) whenever it
+    saves one, and are read back when training resumes from that checkpoint; `measuring_seconds`: the time it spent
+    measuring the student (`measuring`) in this run."""
 
     FILE: str
     measuring_seconds = 0.0
@@ -145,7 +145,7 @@ class CheckpointedFigures(TrainerCallback):
     def figures(self) -> dict:
         raise NotImplementedError
 
-    def restore(self, figures: dict, step: int) -> None:
+    def restore(self, figures: dict) -> None:
         raise NotImplementedError
 
     def resumed(self, args, state) -> bool:
@@ -153,13 +153,13 @@ class CheckpointedFigures(TrainerCallback):
         if state.global_step == 0:
             return False
         file = Path(args.output_dir) / self.FILE
-        if not file.exists():
+        figures = json.loads(file.read_text()) if file.exists() else {}
+        if figures.get("step") != state.global_step:  # the run ended as the Trainer saved, or an older one wrote them
             raise HealError(
-                f"{file.parent}: resuming at step {state.global_step}, but the figures measured before it "
-                f"({self.FILE}) are missing (written by an older hf_normswap?); remove the folder to heal from the "
-                "start"
+                f"{file.parent}: resuming at step {state.global_step}, but the figures measured until then "
+                f"({self.FILE}) are missing or of another step; remove the folder to heal from the start"
             )
-        self.restore(json.loads(file.read_text()), state.global_step)
+        self.restore(figures)
         return True
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -168,7 +168,7 @@ class CheckpointedFigures(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             written = Path(args.output_dir) / f".{self.FILE}"
-            written.write_text(json.dumps(self.figures()))
+            written.write_text(json.dumps({"step": state.global_step, **self.figures()}))
             written.replace(Path(args.output_dir) / self.FILE)  # whole or not at all
 
 
@@ -191,6 +191,26 @@ class HealProbeCallback(CheckpointedFigures):
         self.head_figures = head_figures
         self.before, self.head_before, self.history = None, None, []
 
+    @classmethod
+    def planned(
+        cls,
+        batches: list[dict],
+        teacher_states: list[tuple],
+        teacher: torch.nn.Module,
+        head_figures: Callable[..., dict],
+        options: HealOptions,
+        stop: "DevelopmentStop | None",
+    ) -> "HealProbeCallback":
+        """The probe measuring every fifth of the steps, or as training begins only where the `stop` measures the
+        development texts from the first step."""
+        every = None if stop and stop.from_step == 0 else max(1, options.max_steps // 5)
+        return cls(batches, teacher_states, teacher, every=every, head_figures=head_figures)
+
+    def ended(self, step: int, figures: dict) -> None:
+        """The final output's `figures` after training's last `step`, in place of the curve's own at that step (a
+        stop there)."""
+        self.history = [entry for entry in self.history if entry["step"] < step] + [{"step": step, **figures}]
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.resumed(args, state):
             return
@@ -209,9 +229,8 @@ class HealProbeCallback(CheckpointedFigures):
     def figures(self) -> dict:
         return {"before": self.before, "head_before": self.head_before, "history": self.history}
 
-    def restore(self, figures: dict, step: int) -> None:
-        self.before, self.head_before = figures["before"], figures["head_before"]
-        self.history = [entry for entry in figures["history"] if entry["step"] <= step]
+    def restore(self, figures: dict) -> None:
+        self.before, self.head_before, self.history = figures["before"], figures["head_before"], figures["history"]
 
 
 class DevelopmentTexts:
@@ -268,8 +287,8 @@ class DevelopmentStop(CheckpointedFigures):
     def figures(self) -> dict:
         return {"history": self.history}
 
-    def restore(self, figures: dict, step: int) -> None:
-        self.history = [entry for entry in figures["history"] if entry["step"] <= step]
+    def restore(self, figures: dict) -> None:
+        self.history = figures["history"]
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         step = state.global_step
