@@ -172,8 +172,7 @@ class HealOptions:
             "help": "out of pre-LN, before healing: fit each layer in turn to the teacher's stream after it, on the "
             "layer's own inputs, this many Adam steps a layer (0: no fit); default: "
             f"{FITTED_DEFAULTS['reconstruct_steps']} for a causal-LM student of a calibrated conversion out of pre-LN "
-            "with the direct swap, without lora, else 0 (refused under --fsdp where fsdp_config turns "
-            "cpu_ram_efficient_loading off: give 0)",
+            "with the direct swap, without lora, else 0",
         },
     )
     reconstruct_learning_rate: float = field(
