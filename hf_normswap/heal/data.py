@@ -79,7 +79,7 @@ def heal_texts(read: tuple, *, options: HealOptions, tokenizer, teacher: torch.n
 
 
 def load_texts(
-    data: str, text_column: str | None = None, data_dir: str | None = None, held_out: int = HealOptions.eval_size
+    data: str, *, held_out: int, text_column: str | None = None, data_dir: str | None = None
 ) -> tuple[Dataset, Dataset, list[str]]:
     """Training and held-out text from `data`: `sst2-sample`, a GLUE task name, a local .txt (one text a line), CSV or
     JSON-lines file, or a datasets hub id; returns (train, held_out, text columns). Without a validation split, the

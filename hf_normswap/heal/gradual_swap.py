@@ -11,6 +11,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..convert.branch_calibration import removes_norms
+from ..convert.calibration import CalibrationRecord
 from ..convert.converter import ConversionRecord
 from ..model.configuration_normswap import NormSwapConfig
 from ..probes.stream_mix import LayerGates
@@ -49,17 +50,21 @@ class GradualSwap(TrainerCallback):
         self.set_step(state.global_step)  # as the next step begins, where the measurements after this one see it
 
 
+def _calibration(conversion: ConversionRecord | None) -> CalibrationRecord | None:
+    return conversion.calibration if conversion else None
+
+
 def conversion_layer_gates(conversion: ConversionRecord | None, config: NormSwapConfig) -> LayerGates | None:
     """How a variant (of `config`) calibrated out of pre-LN computes its source layer by layer, from its
     `conversion` record, or None."""
-    calibration = conversion.calibration if conversion else None
+    calibration = _calibration(conversion)
     return calibration.layer_gates(config) if calibration else None
 
 
 def calibrated_out_of_pre_ln(conversion: ConversionRecord | None) -> bool:
     """Whether a variant's `conversion` record holds a calibrated conversion out of pre-LN (where the block-wise fit
     starts)."""
-    calibration = conversion.calibration if conversion else None
+    calibration = _calibration(conversion)
     return calibration is not None and bool(calibration.out_of_pre_ln or calibration.stream_rms)
 
 

@@ -181,8 +181,8 @@ def _heal(
     swap = _gradual_swap(models.student, gates, options, development)
     stop = DevelopmentStop.planned(development, options, from_step=swap.settled_step if swap else 0)
     probe = HealProbeCallback.planned(texts.held_out, teacher, models.teacher, head_figures, options, stop)
-    # the schedule first: the measurements after a step see the student as the next step begins
-    callbacks = [c for c in (swap, probe, stop, TimeBudget(options.max_seconds) if options.max_seconds else None) if c]
+    # the schedule first (what measures after a step sees the next step's student), the probe after what ends training
+    callbacks = [c for c in (swap, stop, TimeBudget(options.max_seconds) if options.max_seconds else None, probe) if c]
     log_history, seconds, tokens, steps = _train(models, texts, options, callbacks, work, resumes, quiet)
     if swap:
         swap.remove()  # the saved student is the target placement
@@ -191,7 +191,7 @@ def _heal(
         after = measure_states(states, texts.held_out, teacher)
         head_after = head_figures(models.student, states=states)
         masked_lm, next_token = _head_results(models, texts.held_out, tokenizer, probe.head_before, head_after)
-    probe.ended(steps, after[-1])
+    probe.history.append({"step": steps, **after[-1]})
     return HealReport(
         teacher=models.teacher_id,
         data=_heal_data(texts, options),

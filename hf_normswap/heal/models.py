@@ -37,16 +37,26 @@ SHARED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")  # where stud
 
 @dataclass
 class HealModels:
-    """Student (a PEFT model with `lora`) and teacher in the options' dtype; `masked_lm` when both have a masked-LM
-    head (its loss is measured then)."""
+    """Student (a PEFT model with `lora`) and teacher of `pair` in the options' dtype."""
 
     student: torch.nn.Module
     configured_dropout: dict  # the student's configuration's dropout, saved with it whatever it trained with
     teacher: torch.nn.Module
-    teacher_id: str
-    teacher_is_source: bool  # the model the student was converted from (conversion.json's source)
-    masked_lm: bool
+    pair: "HealPair"
     dtype: torch.dtype
+
+    @property
+    def teacher_id(self) -> str:
+        return self.pair.teacher_id
+
+    @property
+    def teacher_is_source(self) -> bool:
+        return self.pair.teacher_is_source
+
+    @property
+    def masked_lm(self) -> bool:
+        """Whether both have a masked-LM head (its loss is measured then)."""
+        return self.pair.teacher_head == "masked-lm"
 
     def healed_student(self) -> torch.nn.Module:
         """The student as a plain NormSwap model in the dtype it was loaded in: its adapters, if it has any, merged
@@ -135,9 +145,7 @@ def load_models(pair: HealPair, options: HealOptions) -> HealModels:
         student=student,
         configured_dropout=configured_dropout,
         teacher=teacher,
-        teacher_id=pair.teacher_id,
-        teacher_is_source=pair.teacher_is_source,
-        masked_lm=pair.teacher_head == "masked-lm",
+        pair=pair,
         dtype=dtype,
     )
 

@@ -1,8 +1,5 @@
 """`heal --plan`: the memory each process of a healing will hold, from the configurations alone (nothing loads)."""
 
-import copy
-
-from ..model.heads import HEAD_CLASSES
 from ..sharding import MemoryPlan, plan_memory
 from .models import for_student
 from .options import HealOptions
@@ -13,8 +10,8 @@ def heal_plan(variant: str, options: HealOptions, processes: int) -> MemoryPlan:
     gradients and AdamW states (its embeddings frozen with `freeze_embeddings`, only its norms trained with `lora`:
     the adapters are not counted) and the teacher's weights."""
     options, pair = for_student(variant, options)  # refused as `heal` refuses it
-    teacher = copy.deepcopy(pair.teacher)
-    teacher.architectures = None if pair.teacher_head == "base" else [HEAD_CLASSES[pair.teacher_head].__name__]
+    if pair.teacher_head == "base":  # the teacher runs without a head then
+        pair.teacher.architectures = None
 
     def trainable(name: str) -> bool:
         frozen = options.freeze_embeddings and ".embeddings." in name
@@ -26,6 +23,6 @@ def heal_plan(variant: str, options: HealOptions, processes: int) -> MemoryPlan:
         sharded=options.sharding.fsdp and processes > 1,
         dtype=options.dtype,
         bf16=options.sharding.bf16,
-        teacher_config=teacher,
+        teacher_config=pair.teacher,
         trainable=trainable,
     )

@@ -175,7 +175,8 @@ class CheckpointedFigures(TrainerCallback):
 class HealProbeCallback(CheckpointedFigures):
     """Measures the student on the held-out batches as the Trainer trains it (sharded, on its device): when training
     begins (`before`, and from the same states `head_figures(student, before=True, states=...)`: `head_before`),
-    then, with `every`, every `every` steps before the last, for the plot; its figures kept beside the checkpoints."""
+    then, with `every`, every `every` steps but the one that ends training, for the plot; its figures kept beside the
+    checkpoints."""
 
     FILE = "heal_probe.json"
 
@@ -206,11 +207,6 @@ class HealProbeCallback(CheckpointedFigures):
         every = None if stop and stop.from_step == 0 else max(1, options.max_steps // 5)
         return cls(batches, teacher_states, teacher, every=every, head_figures=head_figures)
 
-    def ended(self, step: int, figures: dict) -> None:
-        """The final output's `figures` after training's last `step`, in place of the curve's own at that step (a
-        stop there)."""
-        self.history = [entry for entry in self.history if entry["step"] < step] + [{"step": step, **figures}]
-
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.resumed(args, state):
             return
@@ -221,7 +217,7 @@ class HealProbeCallback(CheckpointedFigures):
         self.history = [{"step": 0, **self.before[-1]}]
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self.every and state.global_step % self.every == 0 and state.global_step < state.max_steps:
+        if self.every and state.global_step % self.every == 0 and not control.should_training_stop:
             with self.measuring(), gathered(model):
                 last = measure(model, self.batches, self.teacher_states)[-1]
             self.history.append({"step": state.global_step, **last})
